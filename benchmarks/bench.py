@@ -1,0 +1,501 @@
+"""Forward benchmark of ``cupyconv.causal_conv1d_fn`` against a copy of the same bytes.
+
+    PYTHONPATH=. python benchmarks/bench.py [--cases SUBSTR[,SUBSTR...]] [--quick] [--repeats N]
+                                            [--no-check] [--json PATH] [--png PATH] [--list]
+
+For every case (batch, dim, seqlen, layout, dtype, width, activation, bias) the script
+
+1. builds x [batch, dim, seqlen], weight [dim, width] and bias [dim] on the GPU with
+   ``torch.randn`` after ``torch.manual_seed(0)``;
+2. checks every provider's output against the float64 oracle ``cupyconv.reference`` on a subset
+   (batch rows 0 and batch-1; a spread of channels when the oracle would be slow); a provider
+   whose check fails is not timed and its row says why;
+3. times every provider with ``time_fn``: CUDA events around a loop of n back-to-back calls on
+   torch's current stream, after warm-up, repeated; the row reports the median per-call time and
+   the spread (min, max).
+
+Providers, all in the same run:
+
+- ``copy``: ``dst.copy_(src)`` of two dense buffers of x's dtype and numel, the physical bar: a
+  forward pass has to read x and write out, which is the same traffic as this copy.
+- ``cupyconv``: ``cupyconv.causal_conv1d_fn(x, weight, bias, activation=...)``.
+- ``torch``: ``F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=width-1,
+  groups=dim)[..., :seqlen])`` (no SiLU when the activation is None), no TF32.
+- ``causal_conv1d``: the reference library, when importable and the case is within what it
+  supports (widths 2..4).
+
+Bytes moved by a provider are the minimum traffic: x read + out written + weight + bias. GB/s is
+those bytes over the median time; ``copy/time`` is the copy's time over the provider's time (1.0
+is copy speed). The copy row's GB/s counts the bytes it reads plus the bytes it writes.
+
+Back-to-back calls on the same buffers are what a model does; shapes whose x fits in L2 (60 MB on
+an H200) profit from it, and so does the copy they are compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+
+#: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
+#: check takes a spread of channels instead of all of them.
+CHECK_BUDGET = 1 << 27
+
+#: Most calls in one timed loop.
+MAX_CALLS = 10_000
+
+PROVIDERS = ("copy", "cupyconv", "torch", "causal_conv1d")
+
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    dim: int
+    seqlen: int
+    layout: str = "cf"  # "cf" channel-first, "cl" channel-last, "slice" channel slice of proj
+    dtype: str = "bfloat16"
+    width: int = 4
+    activation: str | None = "silu"
+    bias: bool = True
+
+    @property
+    def name(self) -> str:
+        name = (
+            f"{self.layout}-{DTYPE_SHORT[self.dtype]}-"
+            f"{self.batch}x{self.dim}x{self.seqlen}-w{self.width}"
+        )
+        if self.activation is None:
+            name += "-noact"
+        if not self.bias:
+            name += "-nobias"
+        return name
+
+
+def default_cases() -> list[Case]:
+    """The acceptance rows (bf16, width 4, SiLU, bias unless the row says otherwise)."""
+    cases = []
+    for batch, dim, seqlen in ((8, 5120, 2048), (1, 4096, 16384), (64, 1024, 512)):
+        cases += [Case(batch, dim, seqlen, "cf"), Case(batch, dim, seqlen, "cl")]
+    cases.append(Case(8, 5120, 2048, "slice"))
+    cases += [Case(8, 5120, 2048, layout, dtype="float32") for layout in ("cf", "cl")]
+    cases.append(Case(8, 5120, 2048, "cf", dtype="float16"))
+    cases += [Case(8, 5120, 2048, "cf", width=width) for width in (8, 16, 31, 64, 256)]
+    cases.append(Case(8, 5120, 2048, "cl", width=64))
+    return cases
+
+
+def select_cases(cases: list[Case], pattern: str | None) -> list[Case]:
+    """Cases whose name contains any of the comma-separated substrings in ``pattern``."""
+    if not pattern:
+        return cases
+    parts = [p for p in pattern.split(",") if p]
+    return [case for case in cases if any(p in case.name for p in parts)]
+
+
+def make_inputs(case: Case):
+    """x, weight, bias on the GPU; the same values for a case whatever else runs."""
+    import torch
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    batch, dim, seqlen = case.batch, case.dim, case.seqlen
+    opts = {"device": "cuda", "dtype": dtype}
+    if case.layout == "cf":
+        x = torch.randn(batch, dim, seqlen, **opts)
+    elif case.layout == "cl":
+        x = torch.randn(batch, seqlen, dim, **opts).transpose(1, 2)
+    elif case.layout == "slice":  # the middle third of an in_proj output, time stride 3 * dim
+        proj = torch.randn(batch, seqlen, 3 * dim, **opts)
+        x = proj[:, :, dim : 2 * dim].transpose(1, 2)
+    else:
+        raise ValueError(f"layout must be 'cf', 'cl' or 'slice'; got {case.layout!r}")
+    weight = torch.randn(dim, case.width, **opts)
+    bias = torch.randn(dim, **opts) if case.bias else None
+    return x, weight, bias
+
+
+def check_subset(case: Case):
+    """(rows, channels) index tensors on the GPU that the check compares."""
+    import torch
+
+    rows = sorted({0, case.batch - 1})
+    work_per_channel = len(rows) * case.seqlen * case.width
+    n_channels = min(case.dim, max(1, CHECK_BUDGET // work_per_channel))
+    channels = torch.linspace(0, case.dim - 1, n_channels).round().long().unique()
+    return torch.tensor(rows, device="cuda"), channels.to("cuda")
+
+
+def take(t, rows, channels):
+    """t[rows][:, channels] for a [batch, dim, ...] tensor (any strides)."""
+    return t.index_select(0, rows).index_select(1, channels)
+
+
+def oracle(case: Case, x, weight, bias, rows, channels):
+    """float64 numpy output of ``cupyconv.reference`` on the checked rows and channels."""
+    from cupyconv import reference
+
+    def f64(t):
+        return None if t is None else t.double().cpu().numpy()
+
+    return reference.causal_conv1d_fn(
+        f64(take(x, rows, channels)),
+        f64(weight.index_select(0, channels)),
+        f64(None if bias is None else bias.index_select(0, channels)),
+        activation=case.activation,
+    )
+
+
+def check(case: Case, provider: str, fn, expected, rows, channels) -> None:
+    """Run ``fn`` once and raise AssertionError unless it matches the oracle on the subset."""
+    from cupyconv.testing import assert_close
+
+    out = fn()
+    assert_close(take(out, rows, channels), expected, dtype=case.dtype, name=provider)
+
+
+def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
+    """Per-call time of ``fn`` in microseconds: median, min and max over ``repeats`` loops.
+
+    Each loop is n back-to-back calls between two CUDA events on the current stream, with n
+    chosen so that one loop takes about ``target_ms``.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+
+    def loop_ms(n: int) -> float:
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    torch.cuda.synchronize()
+    estimate_ms = loop_ms(5) / 5
+    n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
+    per_call_us = [loop_ms(n) * 1e3 / n for _ in range(repeats)]
+    return {
+        "us_median": statistics.median(per_call_us),
+        "us_min": min(per_call_us),
+        "us_max": max(per_call_us),
+        "calls": n,
+        "repeats": repeats,
+    }
+
+
+def make_providers(case: Case, x, weight, bias, reference_fn):
+    """{provider: (fn, skip reason)} in table order; fn is None where the provider is skipped."""
+    import torch
+    import torch.nn.functional as F
+
+    import cupyconv
+
+    src = torch.empty(x.numel(), dtype=x.dtype, device="cuda")
+    dst = torch.empty_like(src)
+    weight3 = weight.unsqueeze(1)
+
+    def torch_conv():
+        out = F.conv1d(x, weight3, bias, padding=case.width - 1, groups=case.dim)
+        out = out[..., : case.seqlen]
+        return out if case.activation is None else F.silu(out)
+
+    providers = {
+        "copy": (lambda: dst.copy_(src), None),
+        "cupyconv": (
+            lambda: cupyconv.causal_conv1d_fn(x, weight, bias, activation=case.activation),
+            None,
+        ),
+        "torch": (torch_conv, None),
+    }
+    if reference_fn is not None:
+        if 2 <= case.width <= 4:
+            providers["causal_conv1d"] = (
+                lambda: reference_fn(x, weight, bias, activation=case.activation),
+                None,
+            )
+        else:
+            providers["causal_conv1d"] = (None, f"width {case.width} outside 2..4")
+    return providers
+
+
+def new_row(case: Case, provider: str) -> dict:
+    return {
+        "case": case.name,
+        **dataclasses.asdict(case),
+        "provider": provider,
+        "status": "ok",  # ok | check failed | error | skipped
+        "check": None,  # ok | failed | None (not checked)
+        "message": None,
+        "bytes": None,
+        "us_median": None,
+        "us_min": None,
+        "us_max": None,
+        "calls": None,
+        "repeats": None,
+        "gbps": None,
+        "copy_ratio": None,
+    }
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float):
+    """Check, then time every provider on one case; one row per provider, never raises."""
+    import torch
+
+    itemsize = torch.empty((), dtype=getattr(torch, case.dtype)).element_size()
+    x_bytes = case.batch * case.dim * case.seqlen * itemsize
+    param_bytes = case.dim * (case.width + int(case.bias)) * itemsize
+    min_bytes = {"copy": 2 * x_bytes}  # read + write; the others: x + out + weight + bias
+
+    try:
+        x, weight, bias = make_inputs(case)
+        providers = make_providers(case, x, weight, bias, reference_fn)
+    except Exception as exc:  # noqa: BLE001 (a failed case must not stop the others)
+        names = PROVIDERS if reference_fn is not None else PROVIDERS[:-1]
+        rows = [new_row(case, name) for name in names]
+        for row in rows:
+            row.update(status="error", message=f"inputs: {error_text(exc)}")
+        return rows
+
+    rows = {name: new_row(case, name) for name in providers}
+    for name, (_, skip) in providers.items():
+        rows[name]["bytes"] = min_bytes.get(name, 2 * x_bytes + param_bytes)
+        if skip is not None:
+            rows[name].update(status="skipped", message=skip)
+
+    if do_check:
+        try:
+            subset = check_subset(case)
+            expected = oracle(case, x, weight, bias, *subset)
+            oracle_error = None
+        except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
+            oracle_error = f"oracle: {error_text(exc)}"
+        for name, (fn, _) in providers.items():
+            if fn is None or name == "copy":
+                continue
+            row = rows[name]
+            try:
+                if oracle_error is not None:
+                    raise RuntimeError(oracle_error)
+                check(case, name, fn, expected, *subset)
+                row["check"] = "ok"
+                rows_checked = sorted({0, case.batch - 1})
+                print(
+                    f"check {case.name} {name}: ok (batch rows {rows_checked}, "
+                    f"{len(subset[1])} of {case.dim} channels)"
+                )
+            except AssertionError as exc:
+                row.update(status="check failed", check="failed", message=str(exc))
+                print(f"check {case.name} {name}: FAILED {exc}")
+            except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
+                row.update(status="error", message=error_text(exc))
+                print(f"check {case.name} {name}: ERROR {error_text(exc)}")
+
+    for name, (fn, _) in providers.items():
+        row = rows[name]
+        if fn is None or row["status"] != "ok":
+            continue
+        try:
+            row.update(time_fn(fn, repeats=repeats, target_ms=target_ms))
+        except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
+            row.update(status="error", message=error_text(exc))
+            continue
+        row["gbps"] = row["bytes"] / (row["us_median"] * 1e3)
+
+    copy_us = rows["copy"]["us_median"]
+    for row in rows.values():
+        if copy_us is not None and row["us_median"] is not None:
+            row["copy_ratio"] = copy_us / row["us_median"]
+    return list(rows.values())
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    """The results table, one line per case and provider, columns aligned."""
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    header = ("case", "provider", "us", "min-max us", "GB/s", "copy/time", "note")
+    lines = []
+    for row in rows:
+        spread = None
+        if row["us_min"] is not None:
+            spread = f"{row['us_min']:.1f}-{row['us_max']:.1f}"
+        note = "" if row["status"] == "ok" else f"{row['status']}: {row['message']}"
+        if len(note) > 90:
+            note = note[:87] + "..."
+        lines.append(
+            (
+                row["case"],
+                row["provider"],
+                fmt(row["us_median"], ".1f"),
+                spread or "-",
+                fmt(row["gbps"], ".0f"),
+                fmt(row["copy_ratio"], ".2f"),
+                note,
+            )
+        )
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+    right = {2, 3, 4, 5}  # numbers
+
+    def render(line):
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    print()
+    print(
+        f"device: {meta['device']}  torch {meta['torch']}  cupyconv {meta['cupyconv']}  "
+        f"causal_conv1d {meta['causal_conv1d'] or 'not installed'}"
+    )
+    copy_gbps = [row["gbps"] for row in rows if row["provider"] == "copy" and row["gbps"]]
+    if copy_gbps:
+        print(
+            f"copy (read + write): median {statistics.median(copy_gbps):.0f} GB/s, "
+            f"{min(copy_gbps):.0f}-{max(copy_gbps):.0f} over {len(copy_gbps)} cases"
+        )
+    print(render(header))
+    print(render(tuple("-" * w for w in widths)))
+    previous = None
+    for row, line in zip(rows, lines, strict=True):
+        if previous is not None and row["case"] != previous:
+            print()
+        previous = row["case"]
+        print(render(line))
+
+
+def write_json(path: str, rows: list[dict], meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write("\n")
+
+
+def draw_png(path: str, rows: list[dict], meta: dict) -> None:
+    """Grouped bars of copy/time per case and provider; the copy is the line at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(row["case"] for row in rows))
+    providers = [p for p in dict.fromkeys(row["provider"] for row in rows) if p != "copy"]
+    ratio = {(row["case"], row["provider"]): row["copy_ratio"] for row in rows}
+    bar = 0.8 / max(1, len(providers))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.35 * len(cases) * max(1, len(providers))), 5))
+    for i, provider in enumerate(providers):
+        values = [ratio.get((case, provider)) for case in cases]
+        values = [float("nan") if v is None else v for v in values]
+        positions = [j + (i - (len(providers) - 1) / 2) * bar for j in range(len(cases))]
+        ax.bar(positions, values, bar, label=provider)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="copy")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("copy time / provider time")
+    ax.set_title(f"causal_conv1d forward, {meta['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def use_ieee_fp32_convs(torch) -> None:
+    """No TF32 in torch's float32 conv1d, so that the baseline passes the float32 check."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None:  # torch >= 2.9; mixing it with the legacy flag raises on reads
+        conv.fp32_precision = "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Forward benchmark of cupyconv.causal_conv1d_fn against a device-to-device "
+        "copy of x's bytes, torch conv1d and causal_conv1d (when importable).",
+    )
+    parser.add_argument(
+        "--cases",
+        metavar="SUBSTR",
+        help="run the cases whose name contains any of these "
+        "comma-separated substrings (see --list)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--quick", action="store_true", help="fewer and shorter timed loops")
+    parser.add_argument(
+        "--repeats", type=int, metavar="N", help="timed loops per provider (default 10, quick 3)"
+    )
+    parser.add_argument(
+        "--no-check", action="store_true", help="time without checking against the oracle"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every row (and meta) as JSON")
+    parser.add_argument(
+        "--png", metavar="PATH", help="bar chart of copy/time per case and provider (matplotlib)"
+    )
+    args = parser.parse_args(argv)
+
+    cases = select_cases(default_cases(), args.cases)
+    if args.list:
+        for case in cases:
+            print(case.name)
+        return
+    if not cases:
+        parser.error(f"no case name contains any of {args.cases!r} (see --list)")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--png needs matplotlib, which is not installed")
+    repeats = args.repeats or (3 if args.quick else 10)
+    target_ms = 10.0 if args.quick else 25.0
+
+    import torch
+
+    import cupyconv
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA device; torch sees none")
+    use_ieee_fp32_convs(torch)
+
+    try:
+        import causal_conv1d
+        from causal_conv1d import causal_conv1d_fn as reference_fn
+    except ImportError:
+        causal_conv1d, reference_fn = None, None
+
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cupyconv": getattr(cupyconv, "__version__", "unknown"),
+        "causal_conv1d": causal_conv1d and getattr(causal_conv1d, "__version__", "unknown"),
+        "repeats": repeats,
+        "target_ms": target_ms,
+        "checked": not args.no_check,
+    }
+    rows = []
+    for case in cases:
+        rows += run_case(
+            case, reference_fn, do_check=not args.no_check, repeats=repeats, target_ms=target_ms
+        )
+        torch.cuda.empty_cache()
+
+    print_table(rows, meta)
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.png:
+        draw_png(args.png, rows, meta)
+
+
+if __name__ == "__main__":
+    main()

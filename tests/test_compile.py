@@ -1,0 +1,45 @@
+"""Every kernel instance the dispatcher can produce compiles with NVRTC, without a GPU.
+
+Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
+``nvidia-cuda-runtime`` wheels. Instances of one dtype are compiled together in one program per
+target: sm_80 and sm_90 cubins and compute_90 PTX.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cupyconv._dispatch import C_TYPES, all_forward_instances
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings wheel")
+pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
+
+ARCHS = ("sm_80", "sm_90", "compute_90")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", list(C_TYPES))
+def test_forward_instances_compile(dtype, arch):
+    from cupyconv._compile import compile_offline
+
+    names = all_forward_instances(dtypes=(dtype,))
+    image = compile_offline("fwd.cu", names, arch)
+    assert len(image) > 1000
+    if arch.startswith("compute"):
+        text = image.decode()
+        assert ".entry" in text and text.count(".entry") == len(names)
+
+
+def test_compile_error_is_reported():
+    from cupyconv._compile import compile_offline
+
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        compile_offline("fwd.cu", ["fwd_tc<int, 4, 0>"], "compute_90")
+
+
+def test_instance_table_covers_every_width():
+    names = all_forward_instances(dtypes=("bfloat16",))
+    assert "fwd_tc<__nv_bfloat16, 4, 0>" in names
+    assert "fwd_tc<__nv_bfloat16, 0, 17>" in names  # width 256
+    assert "fwd_cl<__nv_bfloat16, 8>" in names
+    assert "fwd_cl<__nv_bfloat16, 9>" not in names  # wider channel-last runs fwd_general

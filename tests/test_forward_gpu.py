@@ -1,0 +1,521 @@
+"""The forward pass on the GPU against the float64 reference.
+
+Every case builds its inputs in numpy, moves them to the GPU in the layout under test, runs
+``causal_conv1d_fn`` into NaN-prefilled output buffers (so an element a kernel forgets to
+write fails) and compares with ``cupyconv.reference`` on the same rounded inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cupyconv
+from cupyconv import reference
+from cupyconv.testing import assert_close
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def torch_dtype(name):
+    import torch
+
+    return getattr(torch, name)
+
+
+def rounded(rng, shape, dtype):
+    """Random float64 values already rounded to ``dtype`` (so the reference sees what the GPU
+    sees)."""
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    return rng.standard_normal(shape).astype(np_dtype).astype(np.float64)
+
+
+def to_gpu(a64, dtype, layout="cf"):
+    """A torch CUDA tensor of logical shape a64.shape (3-D: [B, C, L]) in ``layout``:
+    cf (time-contiguous), cl (channel-contiguous), cl_slice (channel slice of a wider
+    channel-last projection), cf_slice (channel slice of a wider channel-first buffer),
+    time_stride2 (every other time step), misaligned (base pointer one element off)."""
+    import torch
+
+    t = torch.from_numpy(a64).to(device="cuda", dtype=torch_dtype(dtype))
+    if a64.ndim != 3 or layout == "cf":
+        return t.contiguous()
+    b, c, length = a64.shape
+    if layout == "cl":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "cl_slice":
+        buf = torch.full((b, length, 3 * c), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[:, :, c : 2 * c].transpose(1, 2)
+    elif layout == "cf_slice":
+        buf = torch.full((b, c + 5, length), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[:, 3 : 3 + c]
+    elif layout == "time_stride2":
+        buf = torch.full((b, c, 2 * length), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[:, :, ::2]
+    elif layout == "misaligned":
+        buf = torch.full((b * c * length + 1,), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[1:].view(b, c, length)
+    elif layout == "misaligned_cl":
+        buf = torch.full((b * c * length + 1,), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[1:].view(b, length, c).transpose(1, 2)
+    else:
+        raise ValueError(layout)
+    view.copy_(t)
+    return view
+
+
+def seq_ids(rng, batch, seqlen, segments, padding):
+    """seq_idx rows with ``segments`` nondecreasing segments, and -1 padding at the end (and a
+    padded run in the middle) when ``padding``."""
+    ids = np.zeros((batch, seqlen), np.int32)
+    for b in range(batch):
+        cuts = (
+            np.sort(
+                rng.choice(
+                    np.arange(1, max(seqlen, 2)),
+                    size=min(segments - 1, max(seqlen - 1, 0)),
+                    replace=False,
+                )
+            )
+            if seqlen > 1
+            else []
+        )
+        ids[b] = np.searchsorted(cuts, np.arange(seqlen), side="right")
+        if padding and seqlen > 2:
+            ids[b, -max(1, seqlen // 5) :] = -1
+            mid = seqlen // 2
+            ids[b, mid : mid + max(1, seqlen // 10)] = -1
+    return ids
+
+
+def run_case(
+    batch,
+    dim,
+    seqlen,
+    width,
+    dtype="float32",
+    wdtype=None,
+    layout="cf",
+    bias=True,
+    silu=True,
+    segments=0,
+    padding=False,
+    init=False,
+    final=False,
+    final_buffer=False,
+    seed=0,
+):
+    import torch
+
+    rng = np.random.default_rng(seed)
+    wdtype = wdtype or dtype
+    x64 = rounded(rng, (batch, dim, seqlen), dtype)
+    w64 = rounded(rng, (dim, width), wdtype) / np.sqrt(width)
+    b64 = rounded(rng, (dim,), wdtype) if bias else None
+    s = seq_ids(rng, batch, seqlen, segments, padding) if segments else None
+    i64 = rounded(rng, (batch, dim, width - 1), dtype) if init else None
+    act = "silu" if silu else None
+
+    x = to_gpu(x64, dtype, layout)
+    w = to_gpu(w64, wdtype)
+    b = to_gpu(b64, wdtype) if bias else None
+    si = torch.from_numpy(s).cuda() if s is not None else None
+    ii = to_gpu(i64, dtype, "cl" if layout.startswith("cl") else "cf") if init else None
+    out = torch.full(
+        (batch, seqlen, dim) if layout.startswith("cl") else (batch, dim, seqlen),
+        float("nan"),
+        device="cuda",
+        dtype=x.dtype,
+    )
+    if layout.startswith("cl"):
+        out = out.transpose(1, 2)
+    fbuf = None
+    if final and final_buffer:
+        fbuf = torch.full((batch, dim, width - 1), float("nan"), device="cuda", dtype=x.dtype)
+    res = cupyconv.causal_conv1d_fn(
+        x,
+        w,
+        b,
+        seq_idx=si,
+        initial_states=ii,
+        return_final_states=final,
+        final_states_out=fbuf,
+        activation=act,
+        out=out,
+    )
+    want = reference.causal_conv1d_fn(
+        x64, w64, b64, seq_idx=s, initial_states=i64, return_final_states=final, activation=act
+    )
+    if final:
+        got_out, got_final = res
+        want_out, want_final = want
+        assert got_out is out
+        if fbuf is not None:
+            assert got_final is fbuf
+        else:
+            assert got_final.stride() == (dim * (width - 1), 1, dim)
+        assert_close(got_final, want_final, dtype, name="final_states")
+    else:
+        got_out, want_out = res, want
+        assert got_out is out
+    assert_close(got_out, want_out, dtype, name="out")
+    return got_out
+
+
+# ---- curated cases ---------------------------------------------------------------------------
+
+LAYOUTS = ("cf", "cl", "cl_slice", "cf_slice", "time_stride2", "misaligned", "misaligned_cl")
+WIDTHS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 18, 31, 64, 256)
+SHAPES = (
+    (1, 1, 1),
+    (2, 7, 3),
+    (3, 64, 63),
+    (2, 64, 129),
+    (1, 7, 372),
+    (2, 130, 784),
+    (1, 4128, 65),
+    (3, 20, 2048),
+    (1, 9, 4096),
+)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("width", WIDTHS, ids=lambda k: f"width{k}")
+def test_widths_and_layouts(layout, width):
+    for i, (b, c, length) in enumerate(SHAPES[::2] if width > 31 else SHAPES):
+        run_case(b, c, length, width, "float32", layout=layout, seed=i)
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice", "misaligned"))
+@pytest.mark.parametrize(
+    "segments,padding,init,final",
+    [
+        pytest.param(
+            s,
+            p,
+            i,
+            f,
+            id=f"seq{s}{'-pad' if p else ''}{'-init' if i else ''}{'-final' if f else ''}",
+        )
+        for s, p, i, f in itertools.product((0, 1, 5), (False, True), (False, True), (False, True))
+        if not (s == 0 and p)
+    ],
+)
+@pytest.mark.parametrize("width", (2, 4, 7, 33), ids=lambda k: f"width{k}")
+def test_features(layout, segments, padding, init, final, width):
+    for i, (b, c, length) in enumerate(((2, 64, 151), (3, 7, 2), (1, 24, 1134))):
+        run_case(
+            b,
+            c,
+            length,
+            width,
+            "float32",
+            layout=layout,
+            segments=segments,
+            padding=padding,
+            init=init,
+            final=final,
+            final_buffer=i == 0,
+            seed=i,
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    list(itertools.product(DTYPES[:3], DTYPES[:3]))
+    + [("float64", "float64"), ("bfloat16", "float64"), ("float64", "float16")],
+)
+@pytest.mark.parametrize("layout", ("cf", "cl", "misaligned"))
+def test_dtype_pairs(dtype, wdtype, layout):
+    for width in (1, 4, 8, 20):
+        run_case(
+            3,
+            72,
+            300,
+            width,
+            dtype,
+            wdtype,
+            layout=layout,
+            segments=2,
+            init=True,
+            final=True,
+            seed=width,
+        )
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+def test_short_rows_with_states(layout):
+    for seqlen, width in ((1, 4), (2, 4), (3, 8), (1, 33)):
+        run_case(2, 16, seqlen, width, "float32", layout=layout, init=True, final=True, segments=2)
+
+
+def test_no_bias_no_activation():
+    run_case(2, 40, 500, 4, "bfloat16", bias=False, silu=False)
+    run_case(2, 40, 500, 4, "bfloat16", layout="cl", bias=False, silu=False)
+
+
+def test_noncontiguous_weight():
+    import torch
+
+    rng = np.random.default_rng(3)
+    x64 = rounded(rng, (2, 24, 99), "float32")
+    w64 = rounded(rng, (24, 4), "float32")
+    w = torch.from_numpy(w64).cuda().t().contiguous().t()  # strides (1, 24)
+    out = cupyconv.causal_conv1d_fn(torch.from_numpy(x64).float().cuda(), w, activation="silu")
+    assert_close(out, reference.causal_conv1d_fn(x64, w64, activation="silu"), "float32")
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice"))
+def test_default_out_follows_x(layout):
+    import torch
+
+    rng = np.random.default_rng(1)
+    x = to_gpu(rounded(rng, (2, 16, 40), "float16"), "float16", layout)
+    w = torch.randn(16, 4, device="cuda", dtype=torch.float16)
+    out = cupyconv.causal_conv1d_fn(x, w)
+    want = (16 * 40, 40, 1) if layout == "cf" else (40 * 16, 1, 16)
+    assert out.stride() == want and out.dtype == torch.float16
+
+
+def test_bitwise_reproducible():
+    import torch
+
+    for layout, width in (("cf", 4), ("cl", 4), ("cf", 64), ("time_stride2", 3)):
+        rng = np.random.default_rng(width)
+        x = to_gpu(rounded(rng, (2, 96, 1000), "bfloat16"), "bfloat16", layout)
+        w = torch.randn(96, width, device="cuda", dtype=torch.bfloat16)
+        first = cupyconv.causal_conv1d_fn(x, w, activation="silu")
+        for _ in range(3):
+            again = cupyconv.causal_conv1d_fn(x, w, activation="silu")
+            assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+
+
+def test_empty_inputs_return_empty():
+    import torch
+
+    w = torch.randn(4, 3, device="cuda")
+    out = cupyconv.causal_conv1d_fn(torch.empty(2, 4, 0, device="cuda"), w)
+    assert out.shape == (2, 4, 0)
+    out = cupyconv.causal_conv1d_fn(
+        torch.empty(2, 0, 5, device="cuda"), torch.empty(0, 3, device="cuda")
+    )
+    assert out.shape == (2, 0, 5)
+
+
+# ---- frameworks, streams, devices ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice"))
+def test_torch(dtype, layout):
+    run_case(2, 96, 777, 4, dtype, layout=layout, segments=3, init=True, final=True)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+@pytest.mark.parametrize("layout", ("cf", "cl", "slice"))
+def test_cupy(dtype, layout):
+    import cupy
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x64 = rounded(rng, (2, 48, 300), dtype)
+    w64 = rounded(rng, (48, 4), dtype)
+    if layout == "cf":
+        x = cupy.asarray(x64.astype(np_dtype))
+    elif layout == "cl":
+        x = cupy.asarray(np.ascontiguousarray(x64.transpose(0, 2, 1)).astype(np_dtype)).transpose(
+            0, 2, 1
+        )
+    else:
+        buf = cupy.asarray(
+            np.concatenate([x64, x64, x64], axis=1).transpose(0, 2, 1).astype(np_dtype)
+        )
+        x = buf[:, :, 48:96].transpose(0, 2, 1)
+    w = cupy.asarray(w64.astype(np_dtype))
+    out, final = cupyconv.causal_conv1d_fn(x, w, return_final_states=True, activation="silu")
+    assert isinstance(out, cupy.ndarray) and isinstance(final, cupy.ndarray)
+    assert out.dtype == np_dtype
+    want, want_final = reference.causal_conv1d_fn(
+        x64, w64, return_final_states=True, activation="silu"
+    )
+    assert_close(out, want, dtype)
+    assert_close(final, want_final, dtype, name="final_states")
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+def test_jax(dtype):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    rng = np.random.default_rng(7)
+    x64 = rounded(rng, (2, 40, 257), dtype)
+    w64 = rounded(rng, (40, 3), dtype)
+    b64 = rounded(rng, (40,), dtype)
+    x = jnp.asarray(x64, dtype=dtype)
+    out, final = cupyconv.causal_conv1d_fn(
+        x,
+        jnp.asarray(w64, dtype=dtype),
+        jnp.asarray(b64, dtype=dtype),
+        activation="silu",
+        return_final_states=True,
+    )
+    assert isinstance(out, jax.Array) and out.dtype == x.dtype
+    want, want_final = reference.causal_conv1d_fn(
+        x64, w64, b64, activation="silu", return_final_states=True
+    )
+    assert_close(np.asarray(out.astype(jnp.float32)), want, dtype)
+    assert_close(np.asarray(final.astype(jnp.float32)), want_final, dtype, name="final_states")
+
+
+def test_torch_nondefault_stream():
+    """The kernel runs on torch's current stream: it sees work queued before it there."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    x64 = rounded(rng, (4, 256, 4096), "float32")
+    src = torch.from_numpy(x64).float().cuda()
+    w64 = rounded(rng, (256, 4), "float32")
+    w = torch.from_numpy(w64).float().cuda()
+    x = torch.zeros_like(src)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # keep the stream busy so a wrong-stream launch reads zeros
+        x.copy_(src)
+        out = cupyconv.causal_conv1d_fn(x, w)
+    side.synchronize()
+    assert_close(out, reference.causal_conv1d_fn(x64, w64), "float32")
+
+
+def test_second_device():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    rng = np.random.default_rng(2)
+    x64 = rounded(rng, (2, 8, 50), "float32")
+    w64 = rounded(rng, (8, 4), "float32")
+    x = torch.from_numpy(x64).float().to("cuda:1")
+    out = cupyconv.causal_conv1d_fn(x, torch.from_numpy(w64).float().to("cuda:1"))
+    assert out.device == x.device
+    assert_close(out, reference.causal_conv1d_fn(x64, w64), "float32")
+
+
+def test_warmup_then_cuda_graph():
+    import torch
+
+    rng = np.random.default_rng(4)
+    x64 = rounded(rng, (2, 64, 512), "bfloat16")
+    w64 = rounded(rng, (64, 4), "bfloat16")
+    x = torch.from_numpy(x64).to("cuda", torch.bfloat16)
+    w = torch.from_numpy(w64).to("cuda", torch.bfloat16)
+    cupyconv.warmup(x, w, activation="silu", return_final_states=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # torch's recommended warm-up before capture
+        cupyconv.causal_conv1d_fn(x, w, activation="silu", return_final_states=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, final = cupyconv.causal_conv1d_fn(x, w, activation="silu", return_final_states=True)
+    x64b = rounded(rng, (2, 64, 512), "bfloat16")
+    x.copy_(torch.from_numpy(x64b))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_final = reference.causal_conv1d_fn(
+        x64b, w64, activation="silu", return_final_states=True
+    )
+    assert_close(out, want, "bfloat16")
+    assert_close(final, want_final, "bfloat16", name="final_states")
+
+
+# ---- sizes that overflow 32-bit offsets or grid dimensions -----------------------------------
+
+
+def _check_tail(out, x64_rows, w64, b64, t0, dtype, act="silu"):
+    """Compare out[..., t0:] with the reference run on the tail plus its K-1 halo."""
+    k = w64.shape[1]
+    lo = max(0, t0 - (k - 1))
+    want = reference.causal_conv1d_fn(x64_rows[..., lo:], w64, b64, activation=act)
+    assert_close(out, want[..., t0 - lo :], dtype)
+
+
+def test_many_channels():
+    run_case(1, 70_000, 9, 4, "bfloat16", layout="cf")
+    run_case(1, 70_000, 9, 4, "bfloat16", layout="cl")
+
+
+def test_long_rows():
+    run_case(1, 3, 70_000, 4, "float32", layout="cf", segments=3, init=True, final=True)
+    run_case(1, 3, 70_000, 4, "float32", layout="cl", segments=3, init=True, final=True)
+    run_case(1, 2, 4_200_000, 4, "bfloat16", layout="cf")
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+def test_more_than_2_pow_31_elements(layout):
+    import torch
+
+    width = 4
+    if layout == "cf":
+        batch, dim, seqlen = 2, 16, 2**26 + 5  # 2.1e9 elements
+    else:
+        batch, dim, seqlen = 1, 520, 2**22 + 3
+    assert batch * dim * seqlen > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if layout == "cf":
+        x = torch.randn(batch, dim, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
+    else:
+        x = torch.randn(
+            batch, seqlen, dim, device="cuda", dtype=torch.bfloat16, generator=g
+        ).transpose(1, 2)
+    w = torch.randn(dim, width, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = cupyconv.causal_conv1d_fn(x, w, b, activation="silu")
+    w64 = w.double().cpu().numpy()
+    b64 = b.double().cpu().numpy()
+    t0 = seqlen - 3000
+    lo = t0 - (width - 1)
+    rows = x[-1:, :, lo:].double().cpu().numpy()
+    _check_tail(out[-1:, :, t0:], rows, w64, b64, width - 1, "bfloat16")
+    del x, out
+    torch.cuda.empty_cache()
+
+
+# ---- the full grid (slow) --------------------------------------------------------------------
+
+GRID_WIDTHS = (1, 2, 3, 4, 5, 8, 16, 31, 64, 256)
+GRID_C = (1, 7, 64, 4128)
+GRID_L = (1, 2, 3, 8, 63, 64, 65, 127, 128, 129, 151, 372, 784, 1134, 2048, 4096)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice", "misaligned"))
+@pytest.mark.parametrize("width", GRID_WIDTHS, ids=lambda k: f"width{k}")
+@pytest.mark.parametrize("dim", GRID_C, ids=lambda c: f"dim{c}")
+def test_grid(layout, width, dim):
+    for i, seqlen in enumerate(GRID_L):
+        batch = 1 + i % 3
+        if dim * seqlen * batch > 4_000_000:
+            continue
+        run_case(
+            batch,
+            dim,
+            seqlen,
+            width,
+            ("float32", "bfloat16", "float16")[i % 3],
+            layout=layout,
+            segments=i % 4,
+            padding=i % 2 == 1,
+            init=i % 3 == 0,
+            final=i % 2 == 0,
+            seed=i,
+        )
