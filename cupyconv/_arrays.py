@@ -253,7 +253,7 @@ def empty(like: Array, shape, strides, dtype) -> Array:
     import cupy
 
     dtype = np.dtype(dtype)
-    size = max((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
+    size = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
     with cupy.cuda.Device(like.device):
         flat = cupy.empty(size, dtype)
     a = cupy.ndarray(shape, dtype, flat.data, tuple(s * dtype.itemsize for s in strides))

@@ -141,6 +141,8 @@ def _may_share(a: Array, b: Array) -> bool:
 
 
 def _self_overlapping(a: Array) -> bool:
+    if any(n == 0 for n in a.shape):
+        return False
     dims = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
     extent = 1
     for stride, n in dims:

@@ -371,7 +371,9 @@ def causal_conv1d_bwd(
     )
     dx_out = _write_host(dxa, dx64) if dxa is not None else _new_host(xa, dx64)
     dbias = None if b is None else _new_host(b, db64)
-    dinit = _new_host(init, dinit64) if want_dinit and init is not None else None
+    dinit = None
+    if want_dinit and init is not None:  # dtype of x, laid out like initial_states
+        dinit = _new_host(xa, dinit64, order=stride_order(init))
     return dx_out, _new_host(w, dw64), dbias, dinit
 
 
@@ -413,7 +415,8 @@ def causal_conv1d_update(
     idx = v.optional(conv_state_indices, "conv_state_indices", 1, kind="index")
     v.shape(idx, "conv_state_indices", (batch,), "(batch,) of x")
     n_rows = None if idx is not None else batch
-    v.shape(state, "conv_state", (n_rows, dim, None), "(batch or pool size, dim, state_len)")
+    rows = "batch = x.shape[0]" if idx is None else "pool size"
+    v.shape(state, "conv_state", (n_rows, dim, None), f"({rows}, dim = x.shape[1], state_len)")
     if state.shape[2] < width - 1:
         raise ValueError(
             f"conv_state.shape[2] (state_len) must be at least width - 1 = {width - 1}; "

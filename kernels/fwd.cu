@@ -5,18 +5,21 @@
 // h is the input the output at t may see at position s: x[b,c,s] for s >= 0, initial_states
 // for s < 0, zero across a seq_idx boundary; a negative seq_idx marks padding (output 0).
 //
-// Kernels (all share one signature, FWD_SIGNATURE, so one argument builder serves them):
-//   fwd_tc<T, K>       time-contiguous x (x_l_stride == 1). blockIdx.x = tile of
-//                      (rows of (b, c)) x (a run of time); threadIdx.y = row in the tile,
-//                      threadIdx.x owns N consecutive time steps of that row. The tile and a
-//                      K-1 halo are staged in shared memory as floats; each thread reads its
-//                      window back with 16-byte loads and computes N outputs in registers.
-//   fwd_cl<T, K>       channel-contiguous x (x_c_stride == 1). threadIdx.x owns V adjacent
-//                      channels (one 16-byte vector), threadIdx.y a run of TT time steps; the
-//                      thread walks its run keeping the last K-1 rows in registers.
-//   fwd_general<T>     any strides, any width (run-time K): one thread per output.
+// Kernels (all share one signature, FWD_SIGNATURE, so one argument builder serves them; SEQ
+// says whether seq_idx is given, so the common case carries no segment bookkeeping):
+//   fwd_tc<T, K, SEQ>   time-contiguous x (x_l_stride == 1), width K <= 17. One thread owns N
+//                       consecutive outputs of one row (four 16-byte vectors); it loads them
+//                       and the K-1 inputs before them (a neighbour's, from L1) straight into
+//                       registers and writes N outputs. No shared memory, no barrier.
+//   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
+//                       tile of (rows) x (time) plus the K-1 halo in shared memory as A; each
+//                       thread applies the taps, zero-padded to chunks of 16, to its N outputs.
+//   fwd_cl<T, K, SEQ>   channel-contiguous x (x_c_stride == 1), width K <= 8. threadIdx.x owns
+//                       V adjacent channels (one 8- or 16-byte vector), threadIdx.y a run of TT time
+//                       steps, walked U rows at a time with the last K-1 rows kept in registers.
+//   fwd_general<T>      any strides, any width: one thread per output.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
-// Every kernel loops over its tiles with a grid stride, so no grid dimension limits the shape,
+// Every kernel loops over its work with a grid stride, so no grid dimension limits the shape,
 // and every offset is 64-bit. x is read-only; out is written exactly once per element.
 #include "common.cuh"
 
@@ -107,176 +110,267 @@ __global__ void fwd_final_states(FWD_SIGNATURE) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory helpers for fwd_tc. A row of the tile is padded by 4 slots every 32 so that the
-// 16-byte window reads of a quarter warp (threads N elements apart) hit distinct banks.
+// Helpers shared by the fast kernels.
+
+// q = a / d, r = a % d for non-negative a, d; 32-bit arithmetic when both fit.
+__device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
+    if (((a | d) >> 31) == 0) {
+        const unsigned ua = (unsigned)a, ud = (unsigned)d;
+        q = ua / ud;
+        r = ua - (unsigned)q * ud;
+    } else {
+        q = a / d;
+        r = a - q * d;
+    }
+}
+
+template <int BYTES> struct RawOf;
+template <> struct RawOf<8> { using type = uint2; };
+template <> struct RawOf<16> { using type = uint4; };
+
+template <typename T, int BYTES = 16>
+struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-wide access
+    static constexpr int V = BYTES / sizeof(T);
+    using Raw = typename RawOf<BYTES>::type;
+    union { Raw raw; T e[V]; };
+};
+
+// ---------------------------------------------------------------------------------------------
+// fwd_tc: time-contiguous rows, width K <= 17, everything in registers.
+// Thread i owns outputs t0 .. t0+N-1 of row i / chunks_per_row; its window holds the HE = K-1
+// (rounded up to whole vectors) positions before t0 and its own N.
+template <typename T, int K, bool SEQ>
+__global__ void __launch_bounds__(256) fwd_tc(FWD_SIGNATURE) {
+    using A = typename AccOf<T>::type;
+    constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
+    constexpr int NV = 4;                       // own vectors per thread
+    constexpr int N = NV * VN;                  // outputs per thread
+    constexpr int HV = (K - 1 + VN - 1) / VN;   // halo vectors
+    constexpr int HE = HV * VN;                 // halo elements (>= K-1)
+    constexpr int OFF = HE - (K - 1);           // window slot of tap 0 for output 0
+
+    const int64 chunks = (seqlen + N - 1) / N;
+    const int64 total = batch * dim * chunks;
+    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
+         i += (int64)gridDim.x * blockDim.x) {
+        int64 row, chunk, b, c;
+        divmod(i, chunks, row, chunk);
+        divmod(row, dim, b, c);
+        const int64 t0 = chunk * N;
+        const T* xr = x + b * x_batch_stride + c * x_c_stride;
+
+        A win[HE + N];  // positions t0-HE .. t0+N-1: the halo, then this thread's own
+        const bool full = x_vec && t0 + N <= seqlen;
+        if (full) {  // own vectors; the first chunk of a row reads only its halo element-wise
+            Vec<T> raw[HV + NV];
+            const uint4* src = reinterpret_cast<const uint4*>(xr + t0);
+            const bool halo_vec = t0 >= HE;
+            #pragma unroll
+            for (int j = 0; j < NV; ++j) raw[HV + j].raw = src[j];
+            if (halo_vec) {
+                #pragma unroll
+                for (int j = 0; j < HV; ++j) raw[j].raw = src[j - HV];
+            }
+            #pragma unroll
+            for (int j = 0; j < HV + NV; ++j)
+                #pragma unroll
+                for (int e = 0; e < VN; ++e) win[j * VN + e] = to_acc(raw[j].e[e]);
+            if (!halo_vec) {
+                #pragma unroll
+                for (int j = 0; j < HE; ++j) {
+                    const int64 s = t0 - HE + j;
+                    win[j] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int j = 0; j < HE + N; ++j) {
+                const int64 s = t0 - HE + j;
+                win[j] = s >= seqlen || s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
+            }
+        }
+        int64 ids[SEQ ? HE + N : 1];
+        if constexpr (SEQ) {
+            #pragma unroll
+            for (int j = 0; j < HE + N; ++j) {
+                const int64 s = t0 - HE + j;
+                ids[j] = s < seqlen ? SEQ_ID(b, s) : -1;
+            }
+        }
+        A w[K];
+        with_dtype(weight, weight_dtype, [&](auto* p) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k) w[k] = to_acc(p[c * weight_c_stride + k * weight_width_stride]);
+        });
+        const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
+
+        Vec<T> res[NV];
+        #pragma unroll
+        for (int o = 0; o < N; ++o) {
+            A acc = bias_c;
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if constexpr (SEQ) {
+                    if (ids[OFF + o + k] == ids[HE + o]) acc += w[k] * win[OFF + o + k];
+                } else {
+                    acc += w[k] * win[OFF + o + k];
+                }
+            }
+            res[o / VN].e[o % VN] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? HE + o : 0] < 0, silu_act));
+        }
+        T* orow = out + b * out_batch_stride + c * out_c_stride;
+        if (out_vec && t0 + N <= seqlen) {
+            #pragma unroll
+            for (int j = 0; j < NV; ++j) reinterpret_cast<uint4*>(orow + t0)[j] = res[j].raw;
+        } else {
+            #pragma unroll
+            for (int o = 0; o < N; ++o)
+                if (t0 + o < seqlen) orow[(t0 + o) * out_l_stride] = res[o / VN].e[o % VN];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fwd_wide: time-contiguous tiles for wide filters. tile_a = threads per row (blockDim.x);
+// blockDim.y rows per block. Row r of the tile lives in shared memory as E = KP + tile_a*N
+// slots of A: slot e holds position t0 - H + e, H = K-1 rounded up to 4; the taps are
+// zero-padded at the oldest end to KP = a multiple of CH slots, so output o of thread tx is
+// sum_u wsm[u] * slot(tx*N + o + u), u < KP. Segment ids follow in a second array when SEQ.
+// A row is padded by 4 slots every 32 so that the 16-byte window reads of a quarter warp
+// (threads N slots apart) hit distinct banks.
 __device__ __forceinline__ int padded(int e) { return e + ((e >> 5) << 2); }
 
+template <typename S>
+__device__ __forceinline__ void smem_load4(const S* row, int e, S* v) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = row[padded(e) + j];
+}
 __device__ __forceinline__ void smem_load4(const float* row, int e, float* v) {
     const float4 q = *reinterpret_cast<const float4*>(row + padded(e));
     v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
 }
-__device__ __forceinline__ void smem_load4(const double* row, int e, double* v) {
-    const double2 p = *reinterpret_cast<const double2*>(row + padded(e));
-    const double2 q = *reinterpret_cast<const double2*>(row + padded(e) + 2);
-    v[0] = p.x; v[1] = p.y; v[2] = q.x; v[3] = q.y;
+
+__device__ __forceinline__ void load4(const float* p, float* v) {  // 16-byte aligned p
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
 }
-__device__ __forceinline__ void smem_load4(const int64* row, int e, int64* v) {
+__device__ __forceinline__ void load4(const double* p, double* v) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = row[padded(e) + j];
+    for (int j = 0; j < 4; ++j) v[j] = p[j];
 }
 
-// fwd_tc: time-contiguous tiles. tile_a = threads per row (blockDim.x); blockDim.y rows.
-// Two forms: KC == 0 has the exact width K as a template parameter (K <= 17, weights in
-// registers); K == 0 is for wide filters: the width is the run-time `width`, and the taps are
-// zero-padded at the oldest end to KC chunks of CH = 16, applied chunk by chunk from shared memory.
-// Shared memory per row: E = H + tile_a*N (+ KP - H for wide filters) slots of A, then the same
-// count of int64 segment ids when seq_idx is given, then KP weights for wide filters.
-template <typename T, int K, int KC>
-__global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
+template <typename T, bool SEQ>
+__global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
     using A = typename AccOf<T>::type;
-    constexpr int N = 32 / sizeof(T);                  // outputs per thread: two 16-byte vectors
-    constexpr bool CHUNKED = KC > 0;
-    constexpr int CH = 16;
-    constexpr int KP = KC * CH;                        // zero-padded tap count (wide filters)
-    const int H = (width - 1 + 3) / 4 * 4;             // halo slots, a multiple of 4
-    const int OFF = H - (width - 1);                   // unused leading halo slots
+    constexpr int N = 32 / sizeof(T);  // outputs per thread
+    constexpr int CH = 16;             // taps per chunk
     extern __shared__ __align__(16) unsigned char smem_raw[];
 
     const int tx = threadIdx.x, ty = threadIdx.y;
+    const int H = (width - 1 + 3) / 4 * 4;            // halo slots
+    const int OFF = H - (width - 1);                  // leading zero taps
+    const int KP = (H + 1 + CH - 1) / CH * CH;        // padded taps
     const int tile_len = tile_a * N;
-    const int E = H + tile_len + (CHUNKED ? KP - H : 0);
+    const int E = KP + tile_len;                      // slots per row (H + tile + slack)
     const int row_slots = padded((E + 31) / 32 * 32);
-    A* xs = reinterpret_cast<A*>(smem_raw) + ty * row_slots;
-    int64* sq = reinterpret_cast<int64*>(reinterpret_cast<A*>(smem_raw) + blockDim.y * row_slots) +
-                ty * row_slots;
-    A* wsm = reinterpret_cast<A*>(smem_raw) + blockDim.y * row_slots + ty * KP;
-    if (CHUNKED && seq_idx) wsm += blockDim.y * row_slots * (sizeof(int64) / sizeof(A));
+    A* const xs_all = reinterpret_cast<A*>(smem_raw);
+    A* const xs = xs_all + ty * row_slots;
+    A* const wsm = xs_all + blockDim.y * row_slots + ty * KP;
+    int64* const sq = reinterpret_cast<int64*>(xs_all + blockDim.y * (row_slots + KP)) + ty * row_slots;
 
     const int64 rows = batch * dim;
     const int64 n_chunks = (seqlen + tile_len - 1) / tile_len;
     const int64 n_tiles = (rows + blockDim.y - 1) / blockDim.y * n_chunks;
     for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-        const int64 row = tile / n_chunks * blockDim.y + ty;
-        const int64 t0 = tile % n_chunks * tile_len;
+        int64 rg, chunk;
+        divmod(tile, n_chunks, rg, chunk);
+        const int64 row = rg * blockDim.y + ty;
+        const int64 t0 = chunk * tile_len;
         const bool row_ok = row < rows;
-        const int64 b = row / dim, c = row % dim;
-        __syncthreads();  // the previous tile's readers are done with xs
+        int64 b = 0, c = 0;
+        if (row_ok) divmod(row, dim, b, c);
+        __syncthreads();  // the previous tile's readers are done
         if (row_ok) {
-            const T* xrow = x + b * x_batch_stride + c * x_c_stride;
-            // This thread's N inputs, positions t0 + tx*N + i, stored at slot H + tx*N + i.
-            const int64 tt = t0 + tx * N;
+            const T* xr = x + b * x_batch_stride + c * x_c_stride;
+            const int64 tt = t0 + tx * N;  // this thread's N positions go to slots H + tx*N ..
             A v[N];
             if (x_vec && tt + N <= seqlen) {
-                T raw[N];
-                const uint4* src = reinterpret_cast<const uint4*>(xrow + tt);
-                reinterpret_cast<uint4*>(raw)[0] = src[0];
-                reinterpret_cast<uint4*>(raw)[1] = src[1];
+                Vec<T> raw[N / Vec<T>::V];
                 #pragma unroll
-                for (int i = 0; i < N; ++i) v[i] = to_acc(raw[i]);
+                for (int j = 0; j < N / Vec<T>::V; ++j) raw[j].raw = reinterpret_cast<const uint4*>(xr + tt)[j];
+                #pragma unroll
+                for (int i = 0; i < N; ++i) v[i] = to_acc(raw[i / Vec<T>::V].e[i % Vec<T>::V]);
             } else {
                 #pragma unroll
-                for (int i = 0; i < N; ++i)
-                    v[i] = tt + i < seqlen ? to_acc(xrow[(tt + i) * x_l_stride]) : A(0);
+                for (int i = 0; i < N; ++i) v[i] = tt + i < seqlen ? to_acc(xr[(tt + i) * x_l_stride]) : A(0);
             }
             #pragma unroll
             for (int i = 0; i < N; ++i) xs[padded(H + tx * N + i)] = v[i];
-            // The halo (and the zero slack past the tile for the chunked path).
-            for (int e = tx; e < H; e += tile_a) {
+            for (int e = tx; e < H; e += tile_a) {  // the halo
                 const int64 s = t0 - H + e;
-                xs[padded(e)] = s >= -(width - 1) ? INPUT_AT(A, b, c, s) : A(0);
+                xs[padded(e)] = s < -(width - 1) ? A(0) : INPUT_AT(A, b, c, s);
             }
-            for (int e = H + tile_len + tx; e < E; e += tile_a) xs[padded(e)] = A(0);
-            if (seq_idx) {
+            for (int e = H + tile_len + tx; e < E; e += tile_a) xs[padded(e)] = A(0);  // slack
+            if (SEQ) {
                 for (int e = tx; e < E; e += tile_a) {
                     const int64 s = t0 - H + e;
                     sq[padded(e)] = s < seqlen ? SEQ_ID(b, s) : -1;
                 }
             }
-            if (CHUNKED) {
-                for (int u = tx; u < KP; u += tile_a)
-                    wsm[u] = u >= OFF && u < OFF + width
-                                 ? load_as<A>(weight, weight_dtype,
-                                              c * weight_c_stride + (u - OFF) * weight_width_stride)
-                                 : A(0);
-            }
+            for (int u = tx; u < KP; u += tile_a)
+                wsm[u] = u >= OFF && u < OFF + width
+                             ? load_as<A>(weight, weight_dtype,
+                                          c * weight_c_stride + (u - OFF) * weight_width_stride)
+                             : A(0);
         }
         __syncthreads();
-        if (!row_ok || t0 + tx * N >= seqlen) continue;
+        const int64 tt = t0 + tx * N;
+        if (!row_ok || tt >= seqlen) continue;
 
         A acc[N];
         const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
         #pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] = bias_c;
-        int64 sid[N];
-        if (seq_idx) {
+        for (int o = 0; o < N; ++o) acc[o] = bias_c;
+        int64 sid[SEQ ? N : 1];
+        if constexpr (SEQ) {
             #pragma unroll
-            for (int i = 0; i < N; i += 4) smem_load4(sq, H + tx * N + i, sid + i);
+            for (int o = 0; o < N; o += 4) smem_load4(sq, H + tx * N + o, sid + o);
         }
-        if constexpr (!CHUNKED) {
-            // Window slots tx*N .. tx*N + N + H - 1; output i, tap k reads slot i + OFF + k.
-            constexpr int H = (K - 1 + 3) / 4 * 4, OFF = H - (K - 1);
-            A w[K];
-            with_dtype(weight, weight_dtype, [&](auto* p) {
-                #pragma unroll
-                for (int k = 0; k < K; ++k) w[k] = to_acc(p[c * weight_c_stride + k * weight_width_stride]);
-            });
-            A win[N + H];
+        for (int uc = 0; uc < KP; uc += CH) {
+            A win[CH + N], wv[CH];
             #pragma unroll
-            for (int j = 0; j < N + H; j += 4) smem_load4(xs, tx * N + j, win + j);
-            if (!seq_idx) {
+            for (int j = 0; j < CH + N; j += 4) smem_load4(xs, tx * N + uc + j, win + j);
+            #pragma unroll
+            for (int j = 0; j < CH; j += 4) load4(wsm + uc + j, wv + j);
+            if constexpr (SEQ) {
+                int64 ids[CH + N];
                 #pragma unroll
-                for (int i = 0; i < N; ++i)
+                for (int j = 0; j < CH + N; j += 4) smem_load4(sq, tx * N + uc + j, ids + j);
+                #pragma unroll
+                for (int u = 0; u < CH; ++u)
                     #pragma unroll
-                    for (int k = 0; k < K; ++k) acc[i] += w[k] * win[i + OFF + k];
+                    for (int o = 0; o < N; ++o)
+                        if (ids[o + u] == sid[o]) acc[o] += wv[u] * win[o + u];
             } else {
-                int64 ids[N + H];
                 #pragma unroll
-                for (int j = 0; j < N + H; j += 4) smem_load4(sq, tx * N + j, ids + j);
-                #pragma unroll
-                for (int i = 0; i < N; ++i)
+                for (int u = 0; u < CH; ++u)
                     #pragma unroll
-                    for (int k = 0; k < K; ++k)
-                        acc[i] += ids[i + OFF + k] == sid[i] ? w[k] * win[i + OFF + k] : A(0);
-            }
-        } else {
-            // out i = sum_u wsm[u] * slot(tx*N + i + u), u < KP, in chunks of CH taps.
-            for (int uc = 0; uc < KP; uc += CH) {
-                A win[CH + N], wv[CH];
-                #pragma unroll
-                for (int j = 0; j < CH + N; j += 4) smem_load4(xs, tx * N + uc + j, win + j);
-                #pragma unroll
-                for (int j = 0; j < CH; ++j) wv[j] = wsm[uc + j];
-                if (!seq_idx) {
-                    #pragma unroll
-                    for (int u = 0; u < CH; ++u)
-                        #pragma unroll
-                        for (int i = 0; i < N; ++i) acc[i] += wv[u] * win[i + u];
-                } else {
-                    int64 ids[CH + N];
-                    #pragma unroll
-                    for (int j = 0; j < CH + N; j += 4) smem_load4(sq, tx * N + uc + j, ids + j);
-                    #pragma unroll
-                    for (int u = 0; u < CH; ++u)
-                        #pragma unroll
-                        for (int i = 0; i < N; ++i)
-                            acc[i] += ids[i + u] == sid[i] ? wv[u] * win[i + u] : A(0);
-                }
+                    for (int o = 0; o < N; ++o) acc[o] += wv[u] * win[o + u];
             }
         }
-
-        const int64 tt = t0 + tx * N;
-        T res[N];
+        constexpr int VN = Vec<T>::V;
+        Vec<T> res[N / VN];
         #pragma unroll
-        for (int i = 0; i < N; ++i) res[i] = from_acc<T>(finish(acc[i], seq_idx && sid[i] < 0, silu_act));
+        for (int o = 0; o < N; ++o)
+            res[o / VN].e[o % VN] = from_acc<T>(finish(acc[o], SEQ && sid[SEQ ? o : 0] < 0, silu_act));
         T* orow = out + b * out_batch_stride + c * out_c_stride;
         if (out_vec && tt + N <= seqlen) {
-            uint4* dst = reinterpret_cast<uint4*>(orow + tt);
-            dst[0] = reinterpret_cast<const uint4*>(res)[0];
-            dst[1] = reinterpret_cast<const uint4*>(res)[1];
+            #pragma unroll
+            for (int j = 0; j < N / VN; ++j) reinterpret_cast<uint4*>(orow + tt)[j] = res[j].raw;
         } else {
             #pragma unroll
-            for (int i = 0; i < N; ++i)
-                if (tt + i < seqlen) orow[(tt + i) * out_l_stride] = res[i];
+            for (int o = 0; o < N; ++o)
+                if (tt + o < seqlen) orow[(tt + o) * out_l_stride] = res[o / VN].e[o % VN];
         }
     }
 }
@@ -284,29 +378,27 @@ __global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
 // ---------------------------------------------------------------------------------------------
 // fwd_cl: channel-contiguous tiles. tile_a = channel vectors per block (blockDim.x);
 // blockDim.y runs of TT time steps. Tiles are ordered time-fastest so that neighbouring blocks
-// share their halo rows in L2.
-template <typename T>
-struct Vec {  // one 16-byte vector of V elements of T
-    static constexpr int V = 16 / sizeof(T);
-    union { uint4 raw; T e[V]; };
-};
-
-template <typename T, int K>
+// share their halo rows in L2. Rows are kept as raw 16-byte vectors and converted at use.
+template <typename T, int K, bool SEQ>
 __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
     using A = typename AccOf<T>::type;
-    constexpr int V = Vec<T>::V;  // channels per thread
+    constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
+    using VecT = Vec<T, BYTES>;
+    using Raw = typename VecT::Raw;
+    constexpr int V = VecT::V;    // channels per thread
     constexpr int U = 8;          // time steps loaded together
-    constexpr int TT = 4 * U;     // time steps per thread
+    constexpr int TT = 32;        // time steps per thread
     constexpr int W = K - 1;      // history rows kept in registers
-    constexpr int WR = W > 0 ? W : 1;
 
     const int64 block_c = (int64)blockDim.x * V, block_t = (int64)blockDim.y * TT;
     const int64 n_cblk = (dim + block_c - 1) / block_c, n_tblk = (seqlen + block_t - 1) / block_t;
     const int64 n_tiles = batch * n_cblk * n_tblk;
     for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-        const int64 b = tile / (n_cblk * n_tblk);
-        const int64 c0 = (tile / n_tblk) % n_cblk * block_c + threadIdx.x * V;
-        const int64 ts = tile % n_tblk * block_t + threadIdx.y * TT;
+        int64 bc, tblk, b, cblk;
+        divmod(tile, n_tblk, bc, tblk);
+        divmod(bc, n_cblk, b, cblk);
+        const int64 c0 = cblk * block_c + threadIdx.x * V;
+        const int64 ts = tblk * block_t + threadIdx.y * TT;
         if (c0 >= dim || ts >= seqlen) continue;
         const int nc = c0 + V <= dim ? V : (int)(dim - c0);
         const bool vec_in = x_vec && nc == V, vec_out = out_vec && nc == V;
@@ -322,15 +414,16 @@ __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
         #pragma unroll
         for (int v = 0; v < V; ++v)
             bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (v < nc ? c0 + v : c0) * bias_stride) : A(0);
-        // rows[0 .. W-1]: history (positions ts+tt-W ..), rows[W ..]: the U new rows; ids alike.
-        A rows[W + U][V];
-        int64 ids[W + U];
+        // rows[0 .. W-1]: history (positions t0-W .. t0-1), rows[W ..]: the U new rows.
+        VecT rows[W + U];
+        int64 ids[SEQ ? W + U : 1];
         #pragma unroll
         for (int j = 0; j < W; ++j) {
             const int64 s = ts - W + j;
             #pragma unroll
-            for (int v = 0; v < V; ++v) rows[j][v] = v < nc ? INPUT_AT(A, b, c0 + v, s) : A(0);
-            ids[j] = seq_idx ? SEQ_ID(b, s) : 0;
+            for (int v = 0; v < V; ++v)
+                rows[j].e[v] = from_acc<T>(v < nc ? INPUT_AT(A, b, c0 + v, s) : A(0));
+            if constexpr (SEQ) ids[j] = SEQ_ID(b, s);
         }
         const T* xb = x + b * x_batch_stride + c0 * x_c_stride;
         T* ob = out + b * out_batch_stride + c0 * out_c_stride;
@@ -339,40 +432,39 @@ __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
             const int64 t0 = ts + tt;
             const int nu = t0 + U <= seqlen ? U : (int)(seqlen - t0);  // valid new rows
             if (vec_in && nu == U) {
-                Vec<T> raw[U];
                 #pragma unroll
                 for (int u = 0; u < U; ++u)
-                    raw[u].raw = *reinterpret_cast<const uint4*>(xb + (t0 + u) * x_l_stride);
-                #pragma unroll
-                for (int u = 0; u < U; ++u)
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) rows[W + u][v] = to_acc(raw[u].e[v]);
+                    rows[W + u].raw = *reinterpret_cast<const Raw*>(xb + (t0 + u) * x_l_stride);
             } else {
                 #pragma unroll
                 for (int u = 0; u < U; ++u)
                     #pragma unroll
                     for (int v = 0; v < V; ++v)
-                        rows[W + u][v] = u < nu && v < nc
-                                             ? to_acc(xb[(t0 + u) * x_l_stride + v * x_c_stride])
-                                             : A(0);
+                        rows[W + u].e[v] = u < nu && v < nc ? xb[(t0 + u) * x_l_stride + v * x_c_stride]
+                                                            : from_acc<T>(A(0));
             }
-            if (seq_idx) {
+            if constexpr (SEQ) {
                 #pragma unroll
                 for (int u = 0; u < U; ++u) ids[W + u] = u < nu ? SEQ_ID(b, t0 + u) : -1;
             }
             #pragma unroll
             for (int u = 0; u < U; ++u) {
-                Vec<T> res;
+                VecT res;
                 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     A acc = bias_v[v];
                     #pragma unroll
-                    for (int k = 0; k < K; ++k)  // row t-(K-1)+k is rows[u + k]
-                        if (!seq_idx || ids[u + k] == ids[W + u]) acc += w[k][v] * rows[u + k][v];
-                    res.e[v] = from_acc<T>(finish(acc, seq_idx && ids[W + u] < 0, silu_act));
+                    for (int k = 0; k < K; ++k) {  // row t-(K-1)+k is rows[u + k]
+                        if constexpr (SEQ) {
+                            if (ids[u + k] == ids[W + u]) acc += w[k][v] * to_acc(rows[u + k].e[v]);
+                        } else {
+                            acc += w[k][v] * to_acc(rows[u + k].e[v]);
+                        }
+                    }
+                    res.e[v] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? W + u : 0] < 0, silu_act));
                 }
                 if (vec_out && u < nu) {
-                    *reinterpret_cast<uint4*>(ob + (t0 + u) * out_l_stride) = res.raw;
+                    *reinterpret_cast<Raw*>(ob + (t0 + u) * out_l_stride) = res.raw;
                 } else if (u < nu) {
                     #pragma unroll
                     for (int v = 0; v < V; ++v)
@@ -381,9 +473,8 @@ __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
             }
             #pragma unroll
             for (int j = 0; j < W; ++j) {  // slide the history by U rows
-                #pragma unroll
-                for (int v = 0; v < V; ++v) rows[j][v] = rows[j + U][v];
-                ids[j] = ids[j + U];
+                rows[j] = rows[j + U];
+                if constexpr (SEQ) ids[j] = ids[j + U];
             }
         }
     }

@@ -34,12 +34,15 @@ def test_compile_error_is_reported():
     from cupyconv._compile import compile_offline
 
     with pytest.raises(RuntimeError, match="failed to compile"):
-        compile_offline("fwd.cu", ["fwd_tc<int, 4, 0>"], "compute_90")
+        compile_offline("fwd.cu", ["fwd_tc<int, 4, false>"], "compute_90")
 
 
 def test_instance_table_covers_every_width():
     names = all_forward_instances(dtypes=("bfloat16",))
-    assert "fwd_tc<__nv_bfloat16, 4, 0>" in names
-    assert "fwd_tc<__nv_bfloat16, 0, 17>" in names  # width 256
-    assert "fwd_cl<__nv_bfloat16, 8>" in names
-    assert "fwd_cl<__nv_bfloat16, 9>" not in names  # wider channel-last runs fwd_general
+    for seq in ("false", "true"):
+        assert f"fwd_tc<__nv_bfloat16, 4, {seq}>" in names
+        assert f"fwd_tc<__nv_bfloat16, 17, {seq}>" in names
+        assert f"fwd_tc<__nv_bfloat16, 18, {seq}>" not in names  # wider: fwd_wide
+        assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
+        assert f"fwd_cl<__nv_bfloat16, 8, {seq}>" in names
+        assert f"fwd_cl<__nv_bfloat16, 9, {seq}>" not in names  # wider: fwd_general
