@@ -31,6 +31,17 @@ def _bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+_dtype_names: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    """'bfloat16', 'float32', ... (also for torch dtypes numpy cannot name); memoised."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
+
+
 class Array:
     """What cupyconv needs to know of an array: where it lives and how it is laid out.
 
@@ -39,7 +50,17 @@ class Array:
     the array to launch on (the caller's, or a zero-copy CuPy view of it); ``obj`` the caller's.
     """
 
-    __slots__ = ("obj", "kind", "device", "ptr", "shape", "strides", "dtype", "native")
+    __slots__ = (
+        "obj",
+        "kind",
+        "device",
+        "ptr",
+        "shape",
+        "strides",
+        "dtype",
+        "dtype_name",
+        "native",
+    )
 
     def __init__(self, obj, kind, device, ptr, shape, strides, dtype, native=None):
         self.obj = obj
@@ -49,15 +70,12 @@ class Array:
         self.shape = shape
         self.strides = strides
         self.dtype = dtype
+        self.dtype_name = _dtype_name(dtype)
         self.native = obj if native is None else native
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).rsplit(".", 1)[-1]
 
     @property
     def on_gpu(self) -> bool:
@@ -98,13 +116,12 @@ def _torch_to_numpy_dtype(torch, dtype):
 
 
 def _describe_torch(torch, t, name):
-    device = t.device
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-    elif device.type == "cpu":
+    if t.is_cuda:
+        index = t.get_device()
+    elif t.is_cpu:
         index = CPU
     else:
-        raise ValueError(f"{name} must be on a CUDA device or the CPU; got device {device}")
+        raise ValueError(f"{name} must be on a CUDA device or the CPU; got device {t.device}")
     return Array(
         t,
         "torch",
@@ -234,6 +251,18 @@ def dense_strides(shape, order) -> tuple[int, ...]:
     return tuple(strides)
 
 
+_like_strides: dict[tuple, tuple[int, ...]] = {}
+
+
+def strides_like(arr: Array) -> tuple[int, ...]:
+    """Dense strides for a new array of ``arr``'s shape in ``arr``'s stride order; memoised."""
+    key = (arr.shape, arr.strides)
+    strides = _like_strides.get(key)
+    if strides is None:
+        strides = _like_strides[key] = dense_strides(arr.shape, stride_order(arr))
+    return strides
+
+
 def stride_order(arr: Array) -> tuple[int, ...]:
     """Dims of ``arr`` outermost first, by decreasing stride (ties keep the logical order):
     torch's ``empty_like`` rule."""
@@ -287,6 +316,13 @@ def stream_of(arr: Array):
     """The stream to launch on for ``arr``: torch's current stream for torch tensors, else None
     (CuPy's current stream)."""
     if arr.kind == "torch":
-        torch = sys.modules["torch"]
-        return _StreamPtr(torch.cuda.current_stream(arr.device).cuda_stream)
+        return _StreamPtr(_torch_stream(arr.device))
     return None
+
+
+def _torch_stream(device: int) -> int:
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels use
+    if raw is not None:
+        return raw(device)
+    return torch.cuda.current_stream(device).cuda_stream

@@ -24,9 +24,9 @@ C_TYPES = {
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int32": 4, "int64": 5}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-TC_MAX = 17        # fwd_tc<T, K, SEQ> up to this width; wider time-contiguous input: fwd_wide
-CL_MAX = 8         # fwd_cl<T, K, SEQ> up to this width; wider channel-contiguous input: general
-WIDE_CHUNK = 16    # taps per chunk in fwd_wide (CH in fwd.cu)
+TC_MAX = 17  # fwd_tc<T, K, SEQ> up to this width; wider time-contiguous input: fwd_wide
+CL_MAX = 8  # fwd_cl<T, K, SEQ> up to this width; wider channel-contiguous input: general
+WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TC_THREADS = 256
 TILE_THREADS = 128  # fwd_wide and fwd_cl blocks
 GENERAL_THREADS = 256
@@ -84,8 +84,19 @@ class Launch:
     out_vec: bool
 
 
+_plans: dict[tuple, Launch] = {}
+
+
 def plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
-    """Pick the kernel and launch shape from the strides of x (and out)."""
+    """Pick the kernel and launch shape from the strides of x (and out); memoised per layout."""
+    key = (x.dtype_name, width, has_seq, x.shape, x.strides, x.ptr % 16, out.strides, out.ptr % 16)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan_forward(x, out, width, has_seq)
+    return plan
+
+
+def _plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
     table = forward_kernels(x.dtype_name, width, has_seq)
@@ -93,7 +104,7 @@ def plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
     if x_l == 1 or (seqlen == 1 and x_c != 1):
         if width <= TC_MAX:
             return _plan_tc(x, out, table["time"], itemsize)
-        return _plan_wide(x, width, has_seq, table["time"], itemsize)
+        return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
     if x_c == 1 and width <= CL_MAX:
         return _plan_cl(x, out, table["channel"], itemsize)
     total = batch * dim * seqlen
@@ -103,17 +114,19 @@ def plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
 
 
 def _time_vec(a: Array, itemsize: int) -> bool:
-    return (a.strides[2] == 1 or a.shape[2] == 1) and _aligned(a, itemsize, _outer_strides(a, (0, 1)))
+    return (a.strides[2] == 1 or a.shape[2] == 1) and _aligned(
+        a, itemsize, _outer_strides(a, (0, 1))
+    )
 
 
 def _plan_tc(x, out, name, itemsize) -> Launch:
     batch, dim, seqlen = x.shape
-    n = 64 // itemsize  # outputs per thread (N in fwd_tc)
-    total = batch * dim * -(-seqlen // n)
-    grid = min(-(-total // TC_THREADS), MAX_GRID)
-    return Launch(
-        name, grid, (TC_THREADS, 1), 0, 0, _time_vec(x, itemsize), _time_vec(out, itemsize)
-    )
+    vn = 16 // itemsize  # elements per vector
+    nv = min(4, _pow2_at_least(-(-seqlen // (32 * vn))))  # vectors per lane (tile_a)
+    warps = batch * dim * -(-seqlen // (32 * nv * vn))
+    grid = min(-(-warps // (TC_THREADS // 32)), MAX_GRID)
+    x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
+    return Launch(name, grid, (TC_THREADS, 1), 0, nv, x_vec, out_vec)
 
 
 def _plan_wide(x, out, width, has_seq, name, itemsize) -> Launch:
@@ -141,7 +154,9 @@ def _plan_cl(x, out, name, itemsize) -> Launch:
     ty = TILE_THREADS // cg
     n_tiles = batch * -(-dim // (cg * v)) * -(-seqlen // (ty * 32))
     x_vec = _aligned(x, itemsize, _outer_strides(x, (0, 2)), v * itemsize)
-    out_vec = out.strides[1] == 1 and _aligned(out, itemsize, _outer_strides(out, (0, 2)), v * itemsize)
+    out_vec = out.strides[1] == 1 and _aligned(
+        out, itemsize, _outer_strides(out, (0, 2)), v * itemsize
+    )
     return Launch(name, min(n_tiles, MAX_GRID), (cg, ty), 0, cg, x_vec, out_vec)
 
 
@@ -153,58 +168,60 @@ def plan_final_states(x: Array, width: int) -> Launch:
     return Launch(name, grid, (GENERAL_THREADS, 1), 0, 0, False, False)
 
 
-# ---- the typed argument builder (C-signature order of FWD_SIGNATURE in kernels/fwd.cu) -------
+# ---- the typed argument builder: struct FwdParams of kernels/fwd.cu, 8 bytes a field --------
+
+FWD_FIELDS = (
+    "x", "weight", "bias", "seq_idx", "initial_states", "out", "final_states",
+    "batch", "dim", "seqlen", "width",
+    "x_batch_stride", "x_c_stride", "x_l_stride",
+    "weight_c_stride", "weight_width_stride", "bias_stride",
+    "seq_batch_stride", "seq_l_stride",
+    "init_batch_stride", "init_c_stride", "init_l_stride",
+    "out_batch_stride", "out_c_stride", "out_l_stride",
+    "final_batch_stride", "final_c_stride", "final_l_stride",
+    "weight_dtype", "bias_dtype", "seq_dtype", "init_dtype",
+    "silu_act", "x_vec", "out_vec", "tile_a",
+)  # fmt: skip
+_FWD_STRUCT = np.dtype((np.void, 8 * len(FWD_FIELDS)))
 
 
-def _ptr(a: Array | None):
-    return np.uint64(0) if a is None else np.uint64(a.ptr)
-
-
-def _strides(a: Array | None, n: int):
-    return [np.int64(0)] * n if a is None else [np.int64(s) for s in a.strides]
-
-
-def _code(a: Array | None):
-    return np.int32(0) if a is None else np.int32(DTYPE_CODES[a.dtype_name])
+def _operand(a: Array | None, ndim: int) -> tuple:
+    """(pointer, strides...) of an optional operand, zeros when absent."""
+    return (0,) * (1 + ndim) if a is None else (a.ptr, *a.strides)
 
 
 def forward_args(
     launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu
 ) -> tuple:
-    batch, dim, seqlen = x.shape
-    return (
-        _ptr(x),
-        _ptr(weight),
-        _ptr(bias),
-        _ptr(seq_idx),
-        _ptr(initial_states),
-        _ptr(out),
-        _ptr(final_states),
-        np.int64(batch),
-        np.int64(dim),
-        np.int64(seqlen),
-        np.int32(width),
-        *_strides(x, 3),
-        *_strides(weight, 2),
-        *_strides(bias, 1),
-        *_strides(seq_idx, 2),
-        *_strides(initial_states, 3),
-        *_strides(out, 3),
-        *_strides(final_states, 3),
-        _code(weight),
-        _code(bias),
-        _code(seq_idx),
-        _code(initial_states),
-        np.int32(silu),
-        np.int32(launch.x_vec),
-        np.int32(launch.out_vec),
-        np.int32(launch.tile_a),
-    )
+    """The single kernel argument: FwdParams as a numpy void scalar (fields in FWD_FIELDS
+    order; pointers and strides as int64)."""
+    x_ptr, *x_strides = _operand(x, 3)
+    w_ptr, *w_strides = _operand(weight, 2)
+    b_ptr, *b_strides = _operand(bias, 1)
+    s_ptr, *s_strides = _operand(seq_idx, 2)
+    i_ptr, *i_strides = _operand(initial_states, 3)
+    o_ptr, *o_strides = _operand(out, 3)
+    f_ptr, *f_strides = _operand(final_states, 3)
+    values = (
+        x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr,
+        *x.shape, width,
+        *x_strides, *w_strides, *b_strides, *s_strides, *i_strides, *o_strides, *f_strides,
+        _code(weight), _code(bias), _code(seq_idx), _code(initial_states),
+        int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a,
+    )  # fmt: skip
+    return (np.array(values, dtype=np.int64).view(_FWD_STRUCT)[0],)
+
+
+def _code(a: Array | None) -> int:
+    return 0 if a is None else DTYPE_CODES[a.dtype_name]
 
 
 def launch(file: str, plan: Launch, device: int, args: tuple, stream) -> None:
     import cupy
 
     kernel = get_kernel(file, plan.name, device)
-    with cupy.cuda.Device(device):
+    if cupy.cuda.runtime.getDevice() == device:
         kernel((plan.grid,), plan.block, args, plan.smem, stream)
+    else:
+        with cupy.cuda.Device(device):
+            kernel((plan.grid,), plan.block, args, plan.smem, stream)

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _validate as v
 from . import reference
-from ._arrays import Array, dense_strides, empty, result, stream_of, stride_order
+from ._arrays import Array, dense_strides, empty, result, stream_of, stride_order, strides_like
 from ._dispatch import forward_args, launch, plan_final_states, plan_forward
 
 __all__ = [
@@ -143,7 +143,7 @@ def _forward_gpu(call: _ForwardCall):
     x = call.x
     batch, dim, seqlen = x.shape
     width = call.width
-    out = call.out or empty(x, x.shape, dense_strides(x.shape, stride_order(x)), x.dtype)
+    out = call.out or empty(x, x.shape, strides_like(x), x.dtype)
     final = None
     if call.return_final_states:
         # Laid out [batch, width - 1, dim], viewed as [batch, dim, width - 1].

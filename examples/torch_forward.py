@@ -38,7 +38,10 @@ if __name__ == "__main__":
     assert out.stride() == x.stride()  # channel-last in, channel-last out
 
     want, want_final = reference.causal_conv1d_fn(
-        to_numpy(x), to_numpy(weight), to_numpy(bias), activation="silu",
+        to_numpy(x),
+        to_numpy(weight),
+        to_numpy(bias),
+        activation="silu",
         return_final_states=True,
     )
     assert_close(out, want)

@@ -5,12 +5,13 @@
 // h is the input the output at t may see at position s: x[b,c,s] for s >= 0, initial_states
 // for s < 0, zero across a seq_idx boundary; a negative seq_idx marks padding (output 0).
 //
-// Kernels (all share one signature, FWD_SIGNATURE, so one argument builder serves them; SEQ
+// Kernels (all take one FwdParams struct, so one argument builder serves them; SEQ
 // says whether seq_idx is given, so the common case carries no segment bookkeeping):
-//   fwd_tc<T, K, SEQ>   time-contiguous x (x_l_stride == 1), width K <= 17. One thread owns N
-//                       consecutive outputs of one row (four 16-byte vectors); it loads them
-//                       and the K-1 inputs before them (a neighbour's, from L1) straight into
-//                       registers and writes N outputs. No shared memory, no barrier.
+//   fwd_tc<T, K, SEQ>   time-contiguous x (x_l_stride == 1), width K <= 17. A warp owns a span
+//                       of a row; each lane holds up to four 16-byte vectors of it, lane-
+//                       interleaved so that every access is coalesced, and takes the K-1
+//                       inputs before each vector from its neighbour lane by shuffles. No
+//                       shared memory, no barrier.
 //   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
 //                       tile of (rows) x (time) plus the K-1 halo in shared memory as A; each
 //                       thread applies the taps, zero-padded to chunks of 16, to its N outputs.
@@ -23,17 +24,53 @@
 // and every offset is 64-bit. x is read-only; out is written exactly once per element.
 #include "common.cuh"
 
-#define FWD_SIGNATURE                                                                        \
-    const T* __restrict__ x, const void* __restrict__ weight, const void* __restrict__ bias, \
-        const void* __restrict__ seq_idx, const void* __restrict__ initial_states,           \
-        T* __restrict__ out, T* __restrict__ final_states, int64 batch, int64 dim,           \
-        int64 seqlen, int width, int64 x_batch_stride, int64 x_c_stride, int64 x_l_stride,   \
-        int64 weight_c_stride, int64 weight_width_stride, int64 bias_stride,                 \
-        int64 seq_batch_stride, int64 seq_l_stride, int64 init_batch_stride,                 \
-        int64 init_c_stride, int64 init_l_stride, int64 out_batch_stride, int64 out_c_stride, \
-        int64 out_l_stride, int64 final_batch_stride, int64 final_c_stride,                   \
-        int64 final_l_stride, int weight_dtype, int bias_dtype, int seq_dtype, int init_dtype, \
-        int silu_act, int x_vec, int out_vec, int tile_a
+// The arguments of every forward kernel, passed by value as one struct of 8-byte fields
+// (cupyconv/_dispatch.py: FWD_FIELDS has the same fields in the same order). Pointers to
+// absent inputs are null; dtype codes are DtypeCode values.
+struct FwdParams {
+    const void* x; const void* weight; const void* bias; const void* seq_idx;
+    const void* initial_states; void* out; void* final_states;
+    int64 batch, dim, seqlen, width;
+    int64 x_batch_stride, x_c_stride, x_l_stride;
+    int64 weight_c_stride, weight_width_stride, bias_stride;
+    int64 seq_batch_stride, seq_l_stride;
+    int64 init_batch_stride, init_c_stride, init_l_stride;
+    int64 out_batch_stride, out_c_stride, out_l_stride;
+    int64 final_batch_stride, final_c_stride, final_l_stride;
+    int64 weight_dtype, bias_dtype, seq_dtype, init_dtype;
+    int64 silu_act, x_vec, out_vec, tile_a;  // tile_a: a launch-shape parameter of each kernel
+};
+
+#define FWD_SIGNATURE const __grid_constant__ FwdParams p
+
+// Unpacks p into locals of the same names, so kernel bodies read like the math.
+#define FWD_UNPACK                                                                              \
+    const T* __restrict__ x = static_cast<const T*>(p.x);                                       \
+    const void* __restrict__ weight = p.weight;                                                 \
+    const void* __restrict__ bias = p.bias;                                                     \
+    const void* __restrict__ seq_idx = p.seq_idx;                                               \
+    const void* __restrict__ initial_states = p.initial_states;                                 \
+    T* __restrict__ out = static_cast<T*>(p.out);                                               \
+    T* __restrict__ final_states = static_cast<T*>(p.final_states);                             \
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;                                \
+    const int width = (int)p.width;                                                             \
+    const int64 x_batch_stride = p.x_batch_stride, x_c_stride = p.x_c_stride,                   \
+                x_l_stride = p.x_l_stride;                                                      \
+    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride; \
+    const int64 bias_stride = p.bias_stride;                                                    \
+    const int64 seq_batch_stride = p.seq_batch_stride, seq_l_stride = p.seq_l_stride;           \
+    const int64 init_batch_stride = p.init_batch_stride, init_c_stride = p.init_c_stride,       \
+                init_l_stride = p.init_l_stride;                                                \
+    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride,           \
+                out_l_stride = p.out_l_stride;                                                  \
+    const int64 final_batch_stride = p.final_batch_stride, final_c_stride = p.final_c_stride,   \
+                final_l_stride = p.final_l_stride;                                              \
+    const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,               \
+              seq_dtype = (int)p.seq_dtype, init_dtype = (int)p.init_dtype;                     \
+    const int silu_act = (int)p.silu_act, x_vec = (int)p.x_vec, out_vec = (int)p.out_vec,       \
+              tile_a = (int)p.tile_a;                                                           \
+    (void)x; (void)out; (void)final_states; (void)x_vec; (void)out_vec; (void)tile_a;           \
+    (void)final_batch_stride; (void)final_c_stride; (void)final_l_stride
 
 // ---------------------------------------------------------------------------------------------
 // Shared pieces: h(b, c, t, s) for a single position, and the activation epilogue.
@@ -61,6 +98,7 @@ __device__ __forceinline__ A finish(A acc, bool padding, int silu_act) {
 // tile_a = 1 walks channels fastest (for channel-contiguous data), else time fastest.
 template <typename T>
 __global__ void fwd_general(FWD_SIGNATURE) {
+    FWD_UNPACK;
     using A = typename AccOf<T>::type;
     const int64 total = batch * dim * seqlen;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
@@ -92,6 +130,7 @@ __global__ void fwd_general(FWD_SIGNATURE) {
 // fwd_final_states: final_states[b,c,j] = h(b, c, L-1, L-(K-1)+j), j < K-1.
 template <typename T>
 __global__ void fwd_final_states(FWD_SIGNATURE) {
+    FWD_UNPACK;
     using A = typename AccOf<T>::type;
     const int64 n_state = width - 1;
     const int64 total = batch * dim * n_state;
@@ -137,64 +176,46 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 
 // ---------------------------------------------------------------------------------------------
 // fwd_tc: time-contiguous rows, width K <= 17, everything in registers.
-// Thread i owns outputs t0 .. t0+N-1 of row i / chunks_per_row; its window holds the HE = K-1
-// (rounded up to whole vectors) positions before t0 and its own N.
+// A warp owns a span of 32 * tile_a vectors (VN elements each) of one row: vector j of lane l
+// holds positions base + (32 j + l) VN .., so every load and store instruction of the warp is
+// one contiguous 512-byte access. The K-1 inputs before a vector are the tail of the vector
+// h = 1..HV places earlier, taken from lane l-h with a shuffle (from the previous column of
+// lane l-h+32 for the first lanes, from memory before the span).
 template <typename T, int K, bool SEQ>
 __global__ void __launch_bounds__(256) fwd_tc(FWD_SIGNATURE) {
+    FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
-    constexpr int NV = 4;                       // own vectors per thread
-    constexpr int N = NV * VN;                  // outputs per thread
+    constexpr int MAXV = 4;                     // vectors per lane (tile_a <= MAXV at run time)
     constexpr int HV = (K - 1 + VN - 1) / VN;   // halo vectors
     constexpr int HE = HV * VN;                 // halo elements (>= K-1)
     constexpr int OFF = HE - (K - 1);           // window slot of tap 0 for output 0
-
-    const int64 chunks = (seqlen + N - 1) / N;
-    const int64 total = batch * dim * chunks;
-    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
-         i += (int64)gridDim.x * blockDim.x) {
-        int64 row, chunk, b, c;
-        divmod(i, chunks, row, chunk);
+    const int lane = threadIdx.x & 31;
+    const int nv = tile_a;
+    const int64 span = 32LL * nv * VN;
+    const int64 spans = (seqlen + span - 1) / span;
+    const int64 n_warps = batch * dim * spans;
+    const int64 grid_warps = (int64)gridDim.x * (blockDim.x / 32);
+    for (int64 wi = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; wi < n_warps;
+         wi += grid_warps) {
+        int64 row, sp, b, c;
+        divmod(wi, spans, row, sp);
         divmod(row, dim, b, c);
-        const int64 t0 = chunk * N;
         const T* xr = x + b * x_batch_stride + c * x_c_stride;
+        T* orow = out + b * out_batch_stride + c * out_c_stride;
+        const int64 base = sp * span;
 
-        A win[HE + N];  // positions t0-HE .. t0+N-1: the halo, then this thread's own
-        const bool full = x_vec && t0 + N <= seqlen;
-        if (full) {  // own vectors; the first chunk of a row reads only its halo element-wise
-            Vec<T> raw[HV + NV];
-            const uint4* src = reinterpret_cast<const uint4*>(xr + t0);
-            const bool halo_vec = t0 >= HE;
-            #pragma unroll
-            for (int j = 0; j < NV; ++j) raw[HV + j].raw = src[j];
-            if (halo_vec) {
+        Vec<T> cur[MAXV];
+        #pragma unroll
+        for (int j = 0; j < MAXV; ++j) {
+            if (j >= nv) break;
+            const int64 t = base + (32LL * j + lane) * VN;
+            if (x_vec && t + VN <= seqlen) {
+                cur[j].raw = *reinterpret_cast<const uint4*>(xr + t);
+            } else {
                 #pragma unroll
-                for (int j = 0; j < HV; ++j) raw[j].raw = src[j - HV];
-            }
-            #pragma unroll
-            for (int j = 0; j < HV + NV; ++j)
-                #pragma unroll
-                for (int e = 0; e < VN; ++e) win[j * VN + e] = to_acc(raw[j].e[e]);
-            if (!halo_vec) {
-                #pragma unroll
-                for (int j = 0; j < HE; ++j) {
-                    const int64 s = t0 - HE + j;
-                    win[j] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
-                }
-            }
-        } else {
-            #pragma unroll
-            for (int j = 0; j < HE + N; ++j) {
-                const int64 s = t0 - HE + j;
-                win[j] = s >= seqlen || s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
-            }
-        }
-        int64 ids[SEQ ? HE + N : 1];
-        if constexpr (SEQ) {
-            #pragma unroll
-            for (int j = 0; j < HE + N; ++j) {
-                const int64 s = t0 - HE + j;
-                ids[j] = s < seqlen ? SEQ_ID(b, s) : -1;
+                for (int e = 0; e < VN; ++e)
+                    cur[j].e[e] = t + e < seqlen ? xr[(t + e) * x_l_stride] : from_acc<T>(A(0));
             }
         }
         A w[K];
@@ -204,28 +225,72 @@ __global__ void __launch_bounds__(256) fwd_tc(FWD_SIGNATURE) {
         });
         const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
 
-        Vec<T> res[NV];
         #pragma unroll
-        for (int o = 0; o < N; ++o) {
-            A acc = bias_c;
+        for (int j = 0; j < MAXV; ++j) {
+            if (j >= nv) break;
+            const int64 t = base + (32LL * j + lane) * VN;
+            A win[HE + VN];  // positions t-HE .. t+VN-1
             #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if constexpr (SEQ) {
-                    if (ids[OFF + o + k] == ids[HE + o]) acc += w[k] * win[OFF + o + k];
-                } else {
-                    acc += w[k] * win[OFF + o + k];
+            for (int h = 1; h <= HV; ++h) {
+                // Lane s serves lane s+h: its own column j, or column j-1 across the wrap.
+                const uint4 give = lane + h < 32 || j == 0 ? cur[j].raw : cur[j > 0 ? j - 1 : 0].raw;
+                const int from = (lane - h) & 31;
+                Vec<T> got;
+                got.raw.x = __shfl_sync(0xffffffffu, give.x, from);
+                got.raw.y = __shfl_sync(0xffffffffu, give.y, from);
+                got.raw.z = __shfl_sync(0xffffffffu, give.z, from);
+                got.raw.w = __shfl_sync(0xffffffffu, give.w, from);
+                const int64 th = t - h * VN;  // first position of halo vector h
+                if (j == 0 && lane < h) {      // before the span: from memory
+                    if (x_vec && th >= 0) {
+                        got.raw = *reinterpret_cast<const uint4*>(xr + th);
+                    } else {
+                        #pragma unroll
+                        for (int e = 0; e < VN; ++e)
+                            got.e[e] = from_acc<T>(th + e >= 0 ? to_acc(xr[(th + e) * x_l_stride]) : A(0));
+                    }
+                }
+                #pragma unroll
+                for (int e = 0; e < VN; ++e) win[HE - h * VN + e] = to_acc(got.e[e]);
+                if (th < 0) {  // positions before the row: initial_states (or zeros)
+                    #pragma unroll
+                    for (int e = 0; e < VN; ++e) {
+                        const int64 s = th + e;
+                        if (s < 0) win[HE - h * VN + e] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
+                    }
                 }
             }
-            res[o / VN].e[o % VN] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? HE + o : 0] < 0, silu_act));
-        }
-        T* orow = out + b * out_batch_stride + c * out_c_stride;
-        if (out_vec && t0 + N <= seqlen) {
             #pragma unroll
-            for (int j = 0; j < NV; ++j) reinterpret_cast<uint4*>(orow + t0)[j] = res[j].raw;
-        } else {
+            for (int e = 0; e < VN; ++e) win[HE + e] = to_acc(cur[j].e[e]);
+            int64 ids[SEQ ? HE + VN : 1];
+            if constexpr (SEQ) {
+                #pragma unroll
+                for (int q = 0; q < HE + VN; ++q) {
+                    const int64 s = t - HE + q;
+                    ids[q] = s < seqlen ? SEQ_ID(b, s) : -1;
+                }
+            }
+            Vec<T> res;
             #pragma unroll
-            for (int o = 0; o < N; ++o)
-                if (t0 + o < seqlen) orow[(t0 + o) * out_l_stride] = res[o / VN].e[o % VN];
+            for (int o = 0; o < VN; ++o) {
+                A acc = bias_c;
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if constexpr (SEQ) {
+                        if (ids[OFF + o + k] == ids[HE + o]) acc += w[k] * win[OFF + o + k];
+                    } else {
+                        acc += w[k] * win[OFF + o + k];
+                    }
+                }
+                res.e[o] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? HE + o : 0] < 0, silu_act));
+            }
+            if (out_vec && t + VN <= seqlen) {
+                *reinterpret_cast<uint4*>(orow + t) = res.raw;
+            } else {
+                #pragma unroll
+                for (int o = 0; o < VN; ++o)
+                    if (t + o < seqlen) orow[(t + o) * out_l_stride] = res.e[o];
+            }
         }
     }
 }
@@ -261,6 +326,7 @@ __device__ __forceinline__ void load4(const double* p, double* v) {
 
 template <typename T, bool SEQ>
 __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
+    FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int N = 32 / sizeof(T);  // outputs per thread
     constexpr int CH = 16;             // taps per chunk
@@ -381,6 +447,7 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // share their halo rows in L2. Rows are kept as raw 16-byte vectors and converted at use.
 template <typename T, int K, bool SEQ>
 __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
+    FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
     using VecT = Vec<T, BYTES>;

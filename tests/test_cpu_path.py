@@ -38,8 +38,11 @@ class Numpy:
         """``values`` (float64 numpy) rounded to ``dtype``; ``layout`` "channel-last" stores a
         3-D array as [batch, seqlen, dim] viewed as [batch, dim, seqlen]."""
         if layout == "channel-last":
-            return np.ascontiguousarray(values.transpose(0, 2, 1)).astype(
-                self.dtype(dtype)).transpose(0, 2, 1)
+            return (
+                np.ascontiguousarray(values.transpose(0, 2, 1))
+                .astype(self.dtype(dtype))
+                .transpose(0, 2, 1)
+            )
         return np.asarray(values).astype(self.dtype(dtype))
 
     def index(self, values, dtype="int32"):
@@ -182,13 +185,16 @@ def test_forward(fw, dtype, features):
         kwargs = dict(bias=fw.array(rand(DIM), dtype), activation="silu")
     if features == "seq_idx-states-swish":
         kwargs.update(
-            seq_idx=fw.index(SEQ_IDX), initial_states=fw.array(rand(BATCH, DIM, WIDTH - 1), dtype),
-            return_final_states=True, activation="swish",
+            seq_idx=fw.index(SEQ_IDX),
+            initial_states=fw.array(rand(BATCH, DIM, WIDTH - 1), dtype),
+            return_final_states=True,
+            activation="swish",
         )
     got = cupyconv.causal_conv1d_fn(x, weight, **kwargs)
     want = reference.causal_conv1d_fn(
-        to_numpy(x), to_numpy(weight), **{k: to_numpy(v) if hasattr(v, "shape") else v
-                                          for k, v in kwargs.items()},
+        to_numpy(x),
+        to_numpy(weight),
+        **{k: to_numpy(v) if hasattr(v, "shape") else v for k, v in kwargs.items()},
     )
     if features == "seq_idx-states-swish":
         check_result(fw, got[0], want[0], dtype)
@@ -200,16 +206,21 @@ def test_forward(fw, dtype, features):
 
 @pytest.mark.parametrize(
     ("x_dtype", "weight_dtype", "bias_dtype"),
-    [("float16", "float32", "bfloat16"), ("bfloat16", "float16", "float32"),
-     ("float32", "bfloat16", "float64"), ("float64", "float32", "float16")],
+    [
+        ("float16", "float32", "bfloat16"),
+        ("bfloat16", "float16", "float32"),
+        ("float32", "bfloat16", "float64"),
+        ("float64", "float32", "float16"),
+    ],
     ids=lambda d: d,
 )
 def test_forward_mixed_dtypes_return_x_dtype(fw, x_dtype, weight_dtype, bias_dtype):
     x = fw.array(rand(BATCH, DIM, SEQLEN), x_dtype)
     weight, bias = fw.array(rand(DIM, WIDTH), weight_dtype), fw.array(rand(DIM), bias_dtype)
     got = cupyconv.causal_conv1d_fn(x, weight, bias, activation="silu")
-    want = reference.causal_conv1d_fn(to_numpy(x), to_numpy(weight), to_numpy(bias),
-                                      activation="silu")
+    want = reference.causal_conv1d_fn(
+        to_numpy(x), to_numpy(weight), to_numpy(bias), activation="silu"
+    )
     check_result(fw, got, want, x_dtype)
 
 
@@ -230,14 +241,24 @@ def test_out_and_final_states_out_are_written_and_returned(mutable_fw, x_layout,
     out_strides, final_strides = fw.strides(out), fw.strides(final)
 
     got, got_final = cupyconv.causal_conv1d_fn(
-        x, weight, bias, initial_states=init, return_final_states=True, final_states_out=final,
-        activation="silu", out=out,
+        x,
+        weight,
+        bias,
+        initial_states=init,
+        return_final_states=True,
+        final_states_out=final,
+        activation="silu",
+        out=out,
     )
     assert got is out and got_final is final
     assert fw.strides(out) == out_strides and fw.strides(final) == final_strides
     want, want_final = reference.causal_conv1d_fn(
-        to_numpy(x), to_numpy(weight), to_numpy(bias), initial_states=to_numpy(init),
-        return_final_states=True, activation="silu",
+        to_numpy(x),
+        to_numpy(weight),
+        to_numpy(bias),
+        initial_states=to_numpy(init),
+        return_final_states=True,
+        activation="silu",
     )
     assert_close(out, want, name="out")
     assert_close(final, want_final, name="final_states_out")
@@ -260,10 +281,13 @@ def _x_in_layout(fw, layout, dtype="float32"):
         x = fw.array(values, dtype, layout)
     elif layout == "channel-slice-of-projection":  # x = proj[..., :dim] of [batch, seqlen, 3*dim]
         proj = fw.array(rand(BATCH, SEQLEN, 3 * DIM), dtype)
-        x = proj[:, :, DIM:2 * DIM].transpose(1, 2) if fw.name == "torch" else (
-            proj[:, :, DIM:2 * DIM].transpose(0, 2, 1))
+        x = (
+            proj[:, :, DIM : 2 * DIM].transpose(1, 2)
+            if fw.name == "torch"
+            else (proj[:, :, DIM : 2 * DIM].transpose(0, 2, 1))
+        )
     else:  # "time-slice": a window of a longer channel-first buffer
-        x = fw.array(rand(BATCH, DIM, 2 * SEQLEN), dtype)[:, :, 3:3 + SEQLEN]
+        x = fw.array(rand(BATCH, DIM, 2 * SEQLEN), dtype)[:, :, 3 : 3 + SEQLEN]
     order = (0, 1, 2) if layout in ("channel-first", "time-slice") else (0, 2, 1)
     return x, order
 
@@ -296,23 +320,32 @@ def test_final_states_are_laid_out_batch_width_dim(mutable_fw, layout, width):
     assert tuple(final.shape) == (BATCH, DIM, width - 1)
     if width > 1:  # an empty array's strides mean nothing
         assert fw.strides(final) == dense_strides((BATCH, DIM, width - 1), (0, 2, 1))
-    want = reference.causal_conv1d_fn(to_numpy(x), to_numpy(weight), initial_states=to_numpy(init),
-                                      return_final_states=True)[1]
+    want = reference.causal_conv1d_fn(
+        to_numpy(x), to_numpy(weight), initial_states=to_numpy(init), return_final_states=True
+    )[1]
     np.testing.assert_array_equal(to_numpy(final), want)  # final states are copies: exact
 
 
 def test_inputs_are_not_modified(mutable_fw):
     fw = mutable_fw
     args = dict(
-        x=fw.array(rand(BATCH, DIM, SEQLEN)), weight=fw.array(rand(DIM, WIDTH)),
-        bias=fw.array(rand(DIM)), seq_idx=fw.index(SEQ_IDX),
+        x=fw.array(rand(BATCH, DIM, SEQLEN)),
+        weight=fw.array(rand(DIM, WIDTH)),
+        bias=fw.array(rand(DIM)),
+        seq_idx=fw.index(SEQ_IDX),
         initial_states=fw.array(rand(BATCH, DIM, WIDTH - 1)),
     )
     before = {k: to_numpy(v) for k, v in args.items()}
     cupyconv.causal_conv1d_fn(**args, return_final_states=True, activation="silu")
     cupyconv.causal_conv1d_bwd(
-        args["x"], args["weight"], args["bias"], args["x"], args["seq_idx"],
-        args["initial_states"], args["initial_states"], return_dinitial_states=True,
+        args["x"],
+        args["weight"],
+        args["bias"],
+        args["x"],
+        args["seq_idx"],
+        args["initial_states"],
+        args["initial_states"],
+        return_dinitial_states=True,
     )
     for k, v in args.items():
         np.testing.assert_array_equal(to_numpy(v), before[k], err_msg=k)
@@ -357,7 +390,14 @@ def test_backward(fw, dtype):
     dfinal = fw.array(rand(BATCH, DIM, WIDTH - 1, seed=2), dtype)
     seq_idx = fw.index(SEQ_IDX, "int64")
     dx, dweight, dbias, dinit = cupyconv.causal_conv1d_bwd(
-        x, weight, bias, dout, seq_idx, init, dfinal, return_dinitial_states=True,
+        x,
+        weight,
+        bias,
+        dout,
+        seq_idx,
+        init,
+        dfinal,
+        return_dinitial_states=True,
         activation="silu",
     )
     want = reference.causal_conv1d_bwd(
@@ -374,12 +414,14 @@ def test_backward(fw, dtype):
 
 @pytest.mark.parametrize(
     ("x_dtype", "weight_dtype", "bias_dtype"),
-    [("bfloat16", "float32", "float16"), ("float16", "bfloat16", "float64"),
-     ("float64", "float16", "float32")],
+    [
+        ("bfloat16", "float32", "float16"),
+        ("float16", "bfloat16", "float64"),
+        ("float64", "float16", "float32"),
+    ],
     ids=lambda d: d,
 )
-def test_backward_returns_dweight_and_dbias_in_their_dtypes(fw, x_dtype, weight_dtype,
-                                                            bias_dtype):
+def test_backward_returns_dweight_and_dbias_in_their_dtypes(fw, x_dtype, weight_dtype, bias_dtype):
     x = fw.array(rand(BATCH, DIM, SEQLEN), x_dtype)
     weight, bias = fw.array(rand(DIM, WIDTH), weight_dtype), fw.array(rand(DIM), bias_dtype)
     dout = fw.array(rand(BATCH, DIM, SEQLEN, seed=1), x_dtype)
@@ -387,8 +429,10 @@ def test_backward_returns_dweight_and_dbias_in_their_dtypes(fw, x_dtype, weight_
     want = reference.causal_conv1d_bwd(*(to_numpy(a) for a in (x, weight, bias, dout)))
     check_result(fw, dx, want[0], x_dtype, name="dx")
     assert fw.dtype_name(dweight) == weight_dtype and fw.dtype_name(dbias) == bias_dtype
-    for got, expected, dtype, name in [(dweight, want[1], weight_dtype, "dweight"),
-                                       (dbias, want[2], bias_dtype, "dbias")]:
+    for got, expected, dtype, name in [
+        (dweight, want[1], weight_dtype, "dweight"),
+        (dbias, want[2], bias_dtype, "dbias"),
+    ]:
         rtol, atol = grad_tolerance(dtype, BATCH * SEQLEN)
         assert_close(got, expected, rtol=rtol, atol=atol, name=name)
     assert dinit is None
@@ -403,8 +447,9 @@ def test_backward_dinitial_states_only_when_asked(fw):
         x, weight, None, x, initial_states=init, return_dinitial_states=True
     )
     assert dbias is None  # no bias, no dbias
-    want = reference.causal_conv1d_bwd(to_numpy(x), to_numpy(weight), None, to_numpy(x),
-                                       initial_states=to_numpy(init))
+    want = reference.causal_conv1d_bwd(
+        to_numpy(x), to_numpy(weight), None, to_numpy(x), initial_states=to_numpy(init)
+    )
     check_result(fw, dinit, want[3], "float32", name="dinitial_states")
 
 
@@ -426,8 +471,9 @@ def test_backward_dx_buffer_is_written_and_returned(mutable_fw, dx_layout):
     dx = fw.full((BATCH, DIM, SEQLEN), np.nan, "bfloat16", dx_layout)
     got = cupyconv.causal_conv1d_bwd(x, weight, None, dout, dx=dx, activation="silu")[0]
     assert got is dx
-    want = reference.causal_conv1d_bwd(to_numpy(x), to_numpy(weight), None, to_numpy(dout),
-                                       activation="silu")[0]
+    want = reference.causal_conv1d_bwd(
+        to_numpy(x), to_numpy(weight), None, to_numpy(dout), activation="silu"
+    )[0]
     assert_close(dx, want, name="dx")
 
 
@@ -461,8 +507,13 @@ def test_update_mutates_conv_state_in_place(mutable_fw, pool, mode, tokens, stat
     out = cupyconv.causal_conv1d_update(x, state, weight, bias, "silu", lens, indices)
 
     want_out, want_state = reference.causal_conv1d_update(
-        to_numpy(x), before, to_numpy(weight), to_numpy(bias), "silu",
-        None if lens is None else to_numpy(lens), None if indices is None else INDICES,
+        to_numpy(x),
+        before,
+        to_numpy(weight),
+        to_numpy(bias),
+        "silu",
+        None if lens is None else to_numpy(lens),
+        None if indices is None else INDICES,
     )
     check_result(fw, out, want_out, "float16")
     assert fw.ptr(state) == ptr and fw.strides(state) == strides  # the caller's buffer
@@ -496,8 +547,9 @@ def test_update_continues_the_forward(mutable_fw):
     x = fw.array(values, "float64")
     weight, bias = fw.array(rand(DIM, WIDTH), "float64"), fw.array(rand(DIM), "float64")
     full = cupyconv.causal_conv1d_fn(x, weight, bias, activation="silu")
-    _, state = cupyconv.causal_conv1d_fn(x[:, :, :prefill], weight, bias, activation="silu",
-                                         return_final_states=True)
+    _, state = cupyconv.causal_conv1d_fn(
+        x[:, :, :prefill], weight, bias, activation="silu", return_final_states=True
+    )
     for t in range(prefill, prefill + decode):
         token = cupyconv.causal_conv1d_update(x[:, :, t], state, weight, bias, "silu")
         assert_close(token, to_numpy(full)[:, :, t], name=f"token {t}")
