@@ -1,0 +1,146 @@
+"""``python -m cupyconv``: environment report, a check against the float64 reference on a
+default problem, and on a GPU a short timing; without a GPU, the CPU path and a compile check of
+the default problem's kernels with NVRTC.
+
+Exits 0 when every check passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+
+import numpy as np
+
+import cupyconv
+from cupyconv import reference
+from cupyconv.testing import assert_close
+
+DEFAULT = {"batch": 2, "dim": 256, "seqlen": 2048, "width": 4}
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception as e:  # noqa: BLE001 - report any import failure as "not available"
+        return f"not available ({type(e).__name__})"
+
+
+def gpu_name() -> str | None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return None
+        return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
+        return None
+
+
+def report(gpu: str | None) -> None:
+    print(f"cupyconv {cupyconv.__version__} (Python {platform.python_version()})")
+    for module in ("numpy", "ml_dtypes", "cupy", "torch", "jax"):
+        print(f"  {module:10s} {_version(module)}")
+    from cupyconv._compile import kernel_dir
+
+    print(f"  kernels    {kernel_dir()}")
+    print(f"  GPU        {gpu or 'none: running the CPU path and the compile check'}")
+
+
+def problem(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    b, c, length, k = DEFAULT["batch"], DEFAULT["dim"], DEFAULT["seqlen"], DEFAULT["width"]
+    x = rng.standard_normal((b, c, length)).astype(np.float32)
+    w = (rng.standard_normal((c, k)) / np.sqrt(k)).astype(np.float32)
+    bias = rng.standard_normal(c).astype(np.float32)
+    return x, w, bias
+
+
+def check_cpu() -> None:
+    x, w, bias = problem()
+    out, final = cupyconv.causal_conv1d_fn(x, w, bias, activation="silu", return_final_states=True)
+    want, want_final = reference.causal_conv1d_fn(
+        x, w, bias, activation="silu", return_final_states=True
+    )
+    assert_close(out, want, "float32")
+    assert_close(final, want_final, "float32", name="final_states")
+    print(f"CPU path: float32 {x.shape} width {w.shape[1]} matches the reference")
+
+
+def check_gpu() -> None:
+    import cupy
+    import ml_dtypes
+
+    x, w, bias = problem()
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        xg, wg, bg = (cupy.asarray(a.astype(dtype)) for a in (x, w, bias))
+        out = cupyconv.causal_conv1d_fn(xg, wg, bg, activation="silu")
+        want = reference.causal_conv1d_fn(
+            *(a.astype(dtype) for a in (x, w, bias)), activation="silu"
+        )
+        assert_close(out, want, np.dtype(dtype).name)
+        print(f"GPU: {np.dtype(dtype).name} {x.shape} width {w.shape[1]} matches the reference")
+    # A short timing against a device-to-device copy of the same bytes.
+    big = cupy.random.standard_normal((8, 2048, 4096), dtype=cupy.float32).astype(
+        ml_dtypes.bfloat16
+    )
+    wb = cupy.asarray(w[:1].repeat(2048, axis=0).astype(ml_dtypes.bfloat16))
+    dst = cupy.empty_like(big)
+
+    def median_us(fn, n=20):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(5):
+            fn()
+        for _ in range(n):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+        return float(np.median(times))
+
+    copy_us = median_us(lambda: dst.__setitem__(Ellipsis, big))
+    conv_us = median_us(lambda: cupyconv.causal_conv1d_fn(big, wb, activation="silu"))
+    print(
+        f"GPU timing, bf16 (8, 2048, 4096) width 4 silu: {conv_us:.1f} us; copy of x's bytes "
+        f"{copy_us:.1f} us; copy/cupyconv {copy_us / conv_us:.2f}"
+    )
+
+
+def check_compile() -> None:
+    from cupyconv._compile import compile_offline
+    from cupyconv._dispatch import forward_kernels
+
+    names = sorted(set(forward_kernels("bfloat16", DEFAULT["width"], False).values()))
+    try:
+        images = {arch: compile_offline("fwd.cu", names, arch) for arch in ("sm_80", "sm_90")}
+    except ImportError as e:
+        print(f"compile check skipped: {e} (install cupyconv[cuda13] for NVRTC)")
+        return
+    sizes = ", ".join(f"{arch} {len(img)} bytes" for arch, img in images.items())
+    print(f"compile check: {len(names)} forward kernels compile with NVRTC ({sizes})")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyconv", description=__doc__.split("\n")[0])
+    parser.parse_args(argv)
+    gpu = gpu_name()
+    report(gpu)
+    try:
+        check_cpu()
+        if gpu:
+            check_gpu()
+        else:
+            check_compile()
+    except AssertionError as e:
+        print(f"FAILED: {e}")
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
