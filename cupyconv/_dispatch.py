@@ -168,10 +168,9 @@ def plan_final_states(x: Array, width: int) -> Launch:
     return Launch(name, grid, (GENERAL_THREADS, 1), 0, 0, False, False)
 
 
-# ---- the typed argument builder: struct FwdParams of kernels/fwd.cu, 8 bytes a field --------
+# ---- the typed argument builder: seven pointers, then struct FwdParams of kernels/fwd.cu ------
 
 FWD_FIELDS = (
-    "x", "weight", "bias", "seq_idx", "initial_states", "out", "final_states",
     "batch", "dim", "seqlen", "width",
     "x_batch_stride", "x_c_stride", "x_l_stride",
     "weight_c_stride", "weight_width_stride", "bias_stride",
@@ -193,8 +192,9 @@ def _operand(a: Array | None, ndim: int) -> tuple:
 def forward_args(
     launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu
 ) -> tuple:
-    """The single kernel argument: FwdParams as a numpy void scalar (fields in FWD_FIELDS
-    order; pointers and strides as int64)."""
+    """The kernel arguments: the pointers of x, weight, bias, seq_idx, initial_states, out and
+    final_states (0 when absent), then FwdParams as a numpy void scalar (fields in FWD_FIELDS
+    order, each an int64)."""
     x_ptr, *x_strides = _operand(x, 3)
     w_ptr, *w_strides = _operand(weight, 2)
     b_ptr, *b_strides = _operand(bias, 1)
@@ -203,13 +203,13 @@ def forward_args(
     o_ptr, *o_strides = _operand(out, 3)
     f_ptr, *f_strides = _operand(final_states, 3)
     values = (
-        x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr,
         *x.shape, width,
         *x_strides, *w_strides, *b_strides, *s_strides, *i_strides, *o_strides, *f_strides,
         _code(weight), _code(bias), _code(seq_idx), _code(initial_states),
         int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a,
     )  # fmt: skip
-    return (np.array(values, dtype=np.int64).view(_FWD_STRUCT)[0],)
+    params = np.array(values, dtype=np.int64).view(_FWD_STRUCT)[0]
+    return (x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr, params)
 
 
 def _code(a: Array | None) -> int:

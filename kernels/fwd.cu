@@ -24,12 +24,10 @@
 // and every offset is 64-bit. x is read-only; out is written exactly once per element.
 #include "common.cuh"
 
-// The arguments of every forward kernel, passed by value as one struct of 8-byte fields
-// (cupyconv/_dispatch.py: FWD_FIELDS has the same fields in the same order). Pointers to
-// absent inputs are null; dtype codes are DtypeCode values.
+// The arguments of every forward kernel: the seven array pointers (null for absent inputs),
+// then every size, stride, dtype code and flag by value in one struct of 8-byte fields
+// (cupyconv/_dispatch.py: FWD_FIELDS has the same fields in the same order).
 struct FwdParams {
-    const void* x; const void* weight; const void* bias; const void* seq_idx;
-    const void* initial_states; void* out; void* final_states;
     int64 batch, dim, seqlen, width;
     int64 x_batch_stride, x_c_stride, x_l_stride;
     int64 weight_c_stride, weight_width_stride, bias_stride;
@@ -41,17 +39,13 @@ struct FwdParams {
     int64 silu_act, x_vec, out_vec, tile_a;  // tile_a: a launch-shape parameter of each kernel
 };
 
-#define FWD_SIGNATURE const __grid_constant__ FwdParams p
+#define FWD_SIGNATURE                                                                        \
+    const T* __restrict__ x, const void* __restrict__ weight, const void* __restrict__ bias, \
+        const void* __restrict__ seq_idx, const void* __restrict__ initial_states,           \
+        T* __restrict__ out, T* __restrict__ final_states, const __grid_constant__ FwdParams p
 
 // Unpacks p into locals of the same names, so kernel bodies read like the math.
 #define FWD_UNPACK                                                                              \
-    const T* __restrict__ x = static_cast<const T*>(p.x);                                       \
-    const void* __restrict__ weight = p.weight;                                                 \
-    const void* __restrict__ bias = p.bias;                                                     \
-    const void* __restrict__ seq_idx = p.seq_idx;                                               \
-    const void* __restrict__ initial_states = p.initial_states;                                 \
-    T* __restrict__ out = static_cast<T*>(p.out);                                               \
-    T* __restrict__ final_states = static_cast<T*>(p.final_states);                             \
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;                                \
     const int width = (int)p.width;                                                             \
     const int64 x_batch_stride = p.x_batch_stride, x_c_stride = p.x_c_stride,                   \
@@ -69,7 +63,7 @@ struct FwdParams {
               seq_dtype = (int)p.seq_dtype, init_dtype = (int)p.init_dtype;                     \
     const int silu_act = (int)p.silu_act, x_vec = (int)p.x_vec, out_vec = (int)p.out_vec,       \
               tile_a = (int)p.tile_a;                                                           \
-    (void)x; (void)out; (void)final_states; (void)x_vec; (void)out_vec; (void)tile_a;           \
+    (void)x_vec; (void)out_vec; (void)tile_a;                                                   \
     (void)final_batch_stride; (void)final_c_stride; (void)final_l_stride
 
 // ---------------------------------------------------------------------------------------------
@@ -182,7 +176,7 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 // h = 1..HV places earlier, taken from lane l-h with a shuffle (from the previous column of
 // lane l-h+32 for the first lanes, from memory before the span).
 template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(256) fwd_tc(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 4) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
