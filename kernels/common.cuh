@@ -58,7 +58,7 @@ __device__ __forceinline__ int64 load_index(const void* p, int code, int64 i) {
     return code == I32 ? (int64)static_cast<const int*>(p)[i] : static_cast<const int64*>(p)[i];
 }
 
-// SiLU(z) = z * sigmoid(z). Fast reciprocal in float32 (relative error ~1e-7; exp(-z) = inf for
-// z < -88 gives -0, the limit); exact in float64.
+// SiLU(z) = z * sigmoid(z). float: fast exp and reciprocal (relative error ~1e-7; exp(-z) = inf
+// for z < -88 gives -0, the limit). double: exact.
 __device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.0f + __expf(-z)); }
 __device__ __forceinline__ double silu(double z) { return z / (1.0 + exp(-z)); }

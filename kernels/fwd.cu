@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // blockDim.y runs of TT time steps. Tiles are ordered time-fastest so that neighbouring blocks
 // share their halo rows in L2. Rows are kept as raw 16-byte vectors and converted at use.
 template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(128, SEQ || K > 4 || sizeof(T) != 2 ? 1 : 6) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
