@@ -175,10 +175,8 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 // one contiguous 512-byte access. The K-1 inputs before a vector are the tail of the vector
 // h = 1..HV places earlier, taken from lane l-h with a shuffle (from the previous column of
 // lane l-h+32 for the first lanes, from memory before the span).
-template <bool B> struct Flag { static constexpr bool value = B; };
-
 template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) fwd_tc(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 4) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
@@ -197,9 +195,23 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) f
         int64 row, sp, b, c;
         divmod(wi, spans, row, sp);
         divmod(row, dim, b, c);
+        const T* xr = x + b * x_batch_stride + c * x_c_stride;
+        T* orow = out + b * out_batch_stride + c * out_c_stride;
         const int64 base = sp * span;
-        const T* xs = x + b * x_batch_stride + c * x_c_stride + base * x_l_stride;  // span start
-        T* os = out + b * out_batch_stride + c * out_c_stride + base * out_l_stride;
+
+        Vec<T> cur[MAXV];
+        #pragma unroll
+        for (int j = 0; j < MAXV; ++j) {
+            if (j >= nv) break;
+            const int64 t = base + (32LL * j + lane) * VN;
+            if (x_vec && t + VN <= seqlen) {
+                cur[j].raw = *reinterpret_cast<const uint4*>(xr + t);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VN; ++e)
+                    cur[j].e[e] = t + e < seqlen ? xr[(t + e) * x_l_stride] : from_acc<T>(A(0));
+            }
+        }
         A w[K];
         with_dtype(weight, weight_dtype, [&](auto* p) {
             #pragma unroll
@@ -207,105 +219,72 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) f
         });
         const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
 
-        // A span away from both ends of the row, with aligned rows, needs no bounds checks.
-        const bool interior = x_vec && out_vec && !SEQ && base >= HE && base + span <= seqlen;
-        auto run = [&](auto interior_flag) {
-            constexpr bool INTERIOR = decltype(interior_flag)::value;
-            Vec<T> cur[MAXV];
+        #pragma unroll
+        for (int j = 0; j < MAXV; ++j) {
+            if (j >= nv) break;
+            const int64 t = base + (32LL * j + lane) * VN;
+            A win[HE + VN];  // positions t-HE .. t+VN-1
             #pragma unroll
-            for (int j = 0; j < MAXV; ++j) {
-                if (j >= nv) break;
-                const int e0 = (32 * j + lane) * VN;  // offset of this vector in the span
-                if (INTERIOR || (x_vec && base + e0 + VN <= seqlen)) {
-                    cur[j].raw = *reinterpret_cast<const uint4*>(xs + e0);
-                } else {
+            for (int h = 1; h <= HV; ++h) {
+                // Lane s serves lane s+h: its own column j, or column j-1 across the wrap.
+                const uint4 give = lane + h < 32 || j == 0 ? cur[j].raw : cur[j > 0 ? j - 1 : 0].raw;
+                const int from = (lane - h) & 31;
+                Vec<T> got;
+                got.raw.x = __shfl_sync(0xffffffffu, give.x, from);
+                got.raw.y = __shfl_sync(0xffffffffu, give.y, from);
+                got.raw.z = __shfl_sync(0xffffffffu, give.z, from);
+                got.raw.w = __shfl_sync(0xffffffffu, give.w, from);
+                const int64 th = t - h * VN;  // first position of halo vector h
+                if (j == 0 && lane < h) {      // before the span: from memory
+                    if (x_vec && th >= 0) {
+                        got.raw = *reinterpret_cast<const uint4*>(xr + th);
+                    } else {
+                        #pragma unroll
+                        for (int e = 0; e < VN; ++e)
+                            got.e[e] = from_acc<T>(th + e >= 0 ? to_acc(xr[(th + e) * x_l_stride]) : A(0));
+                    }
+                }
+                #pragma unroll
+                for (int e = 0; e < VN; ++e) win[HE - h * VN + e] = to_acc(got.e[e]);
+                if (th < 0) {  // positions before the row: initial_states (or zeros)
                     #pragma unroll
-                    for (int e = 0; e < VN; ++e)
-                        cur[j].e[e] = base + e0 + e < seqlen ? xs[(int64)(e0 + e) * x_l_stride]
-                                                             : from_acc<T>(A(0));
+                    for (int e = 0; e < VN; ++e) {
+                        const int64 s = th + e;
+                        if (s < 0) win[HE - h * VN + e] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
+                    }
                 }
             }
             #pragma unroll
-            for (int j = 0; j < MAXV; ++j) {
-                if (j >= nv) break;
-                const int e0 = (32 * j + lane) * VN;
-                A win[HE + VN];  // span offsets e0-HE .. e0+VN-1
+            for (int e = 0; e < VN; ++e) win[HE + e] = to_acc(cur[j].e[e]);
+            int64 ids[SEQ ? HE + VN : 1];
+            if constexpr (SEQ) {
                 #pragma unroll
-                for (int h = 1; h <= HV; ++h) {
-                    // Lane s serves lane s+h: its own column j, or column j-1 across the wrap.
-                    const uint4 give = lane + h < 32 || j == 0 ? cur[j].raw : cur[j > 0 ? j - 1 : 0].raw;
-                    const int from = (lane - h) & 31;
-                    Vec<T> got;
-                    got.raw.x = __shfl_sync(0xffffffffu, give.x, from);
-                    got.raw.y = __shfl_sync(0xffffffffu, give.y, from);
-                    got.raw.z = __shfl_sync(0xffffffffu, give.z, from);
-                    got.raw.w = __shfl_sync(0xffffffffu, give.w, from);
-                    const int eh = e0 - h * VN;  // span offset of halo vector h
-                    if (j == 0 && lane < h) {    // before the span: from memory
-                        if (INTERIOR) {
-                            got.raw = *reinterpret_cast<const uint4*>(xs + eh);
-                        } else {
-                            #pragma unroll
-                            for (int e = 0; e < VN; ++e) {
-                                const int64 s = base + eh + e;
-                                got.e[e] = from_acc<T>(s >= 0 ? to_acc(xs[(int64)(eh + e) * x_l_stride]) : A(0));
-                            }
-                        }
-                    }
-                    #pragma unroll
-                    for (int e = 0; e < VN; ++e) win[HE - h * VN + e] = to_acc(got.e[e]);
-                    if (!INTERIOR && base + eh < 0) {  // positions before the row: initial_states
-                        #pragma unroll
-                        for (int e = 0; e < VN; ++e) {
-                            const int64 s = base + eh + e;
-                            if (s < 0) win[HE - h * VN + e] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
-                        }
-                    }
+                for (int q = 0; q < HE + VN; ++q) {
+                    const int64 s = t - HE + q;
+                    ids[q] = s < seqlen ? SEQ_ID(b, s) : -1;
                 }
+            }
+            Vec<T> res;
+            #pragma unroll
+            for (int o = 0; o < VN; ++o) {
+                A acc = bias_c;
                 #pragma unroll
-                for (int e = 0; e < VN; ++e) win[HE + e] = to_acc(cur[j].e[e]);
-                int64 ids[SEQ ? HE + VN : 1];
-                if constexpr (SEQ) {
-                    #pragma unroll
-                    for (int q = 0; q < HE + VN; ++q) {
-                        const int64 s = base + e0 - HE + q;
-                        ids[q] = s < seqlen ? SEQ_ID(b, s) : -1;
+                for (int k = 0; k < K; ++k) {
+                    if constexpr (SEQ) {
+                        if (ids[OFF + o + k] == ids[HE + o]) acc += w[k] * win[OFF + o + k];
+                    } else {
+                        acc += w[k] * win[OFF + o + k];
                     }
                 }
-                A acc[VN];
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) {
-                    acc[o] = bias_c;
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if constexpr (SEQ) {
-                            if (ids[OFF + o + k] == ids[HE + o]) acc[o] += w[k] * win[OFF + o + k];
-                        } else {
-                            acc[o] += w[k] * win[OFF + o + k];
-                        }
-                    }
-                }
-                if (silu_act) {
-                    #pragma unroll
-                    for (int o = 0; o < VN; ++o) acc[o] = silu(acc[o]);
-                }
-                Vec<T> res;
+                res.e[o] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? HE + o : 0] < 0, silu_act));
+            }
+            if (out_vec && t + VN <= seqlen) {
+                *reinterpret_cast<uint4*>(orow + t) = res.raw;
+            } else {
                 #pragma unroll
                 for (int o = 0; o < VN; ++o)
-                    res.e[o] = from_acc<T>(SEQ && ids[SEQ ? HE + o : 0] < 0 ? A(0) : acc[o]);
-                if (INTERIOR || (out_vec && base + e0 + VN <= seqlen)) {
-                    *reinterpret_cast<uint4*>(os + e0) = res.raw;
-                } else {
-                    #pragma unroll
-                    for (int o = 0; o < VN; ++o)
-                        if (base + e0 + o < seqlen) os[(int64)(e0 + o) * out_l_stride] = res.e[o];
-                }
+                    if (t + o < seqlen) orow[(t + o) * out_l_stride] = res.e[o];
             }
-        };
-        if (interior) {
-            run(Flag<true>());
-        } else {
-            run(Flag<false>());
         }
     }
 }
