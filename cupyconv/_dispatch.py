@@ -7,7 +7,6 @@ strides), never on framework objects.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,6 @@ TC_MAX = 17  # fwd_tc<T, K, SEQ> up to this width; wider time-contiguous input: 
 CL_MAX = 8  # fwd_cl<T, K, SEQ> up to this width; wider channel-contiguous input: general
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TC_THREADS = 256
-TC_BLOCKS_PER_SM = 3  # the min-blocks of fwd_tc's __launch_bounds__
 TILE_THREADS = 128  # fwd_wide and fwd_cl blocks
 GENERAL_THREADS = 256
 SMEM_BUDGET = 48 * 1024
@@ -62,14 +60,6 @@ def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> list[str]:
     )
 
 
-@functools.cache
-def sm_count(device: int) -> int:
-    """Multiprocessors of CUDA device ``device``."""
-    import cupy
-
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-
-
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -99,17 +89,7 @@ _plans: dict[tuple, Launch] = {}
 
 def plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
     """Pick the kernel and launch shape from the strides of x (and out); memoised per layout."""
-    key = (
-        x.device,
-        x.dtype_name,
-        width,
-        has_seq,
-        x.shape,
-        x.strides,
-        x.ptr % 16,
-        out.strides,
-        out.ptr % 16,
-    )
+    key = (x.dtype_name, width, has_seq, x.shape, x.strides, x.ptr % 16, out.strides, out.ptr % 16)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan_forward(x, out, width, has_seq)
@@ -144,8 +124,7 @@ def _plan_tc(x, out, name, itemsize) -> Launch:
     vn = 16 // itemsize  # elements per vector
     nv = min(4, _pow2_at_least(-(-seqlen // (32 * vn))))  # vectors per lane (tile_a)
     warps = batch * dim * -(-seqlen // (32 * nv * vn))
-    # Persistent warps: one wave of the 3 blocks per SM that fwd_tc's launch bounds guarantee.
-    grid = min(-(-warps // (TC_THREADS // 32)), TC_BLOCKS_PER_SM * sm_count(x.device))
+    grid = min(-(-warps // (TC_THREADS // 32)), MAX_GRID)
     x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
     return Launch(name, grid, (TC_THREADS, 1), 0, nv, x_vec, out_vec)
 

@@ -176,7 +176,7 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 // h = 1..HV places earlier, taken from lane l-h with a shuffle (from the previous column of
 // lane l-h+32 for the first lanes, from memory before the span).
 template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) fwd_tc(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 4) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
@@ -190,33 +190,8 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) f
     const int64 spans = (seqlen + span - 1) / span;
     const int64 n_warps = batch * dim * spans;
     const int64 grid_warps = (int64)gridDim.x * (blockDim.x / 32);
-    // The vectors of warp-span wi (zeros past the end of the row).
-    auto load_span = [&](int64 wi, Vec<T>* v) {
-        int64 row, sp, b, c;
-        divmod(wi, spans, row, sp);
-        divmod(row, dim, b, c);
-        const T* xr = x + b * x_batch_stride + c * x_c_stride;
-        const int64 base = sp * span;
-        #pragma unroll
-        for (int j = 0; j < MAXV; ++j) {
-            if (j >= nv) break;
-            const int64 t = base + (32LL * j + lane) * VN;
-            if (x_vec && t + VN <= seqlen) {
-                v[j].raw = *reinterpret_cast<const uint4*>(xr + t);
-            } else {
-                #pragma unroll
-                for (int e = 0; e < VN; ++e)
-                    v[j].e[e] = t + e < seqlen ? xr[(t + e) * x_l_stride] : from_acc<T>(A(0));
-            }
-        }
-    };
-    // Persistent warps: the next span's loads are in flight while this one is computed.
-    const int64 first = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
-    Vec<T> cur[MAXV];
-    if (first < n_warps) load_span(first, cur);
-    for (int64 wi = first; wi < n_warps; wi += grid_warps) {
-        Vec<T> nxt[MAXV];
-        if (wi + grid_warps < n_warps) load_span(wi + grid_warps, nxt);
+    for (int64 wi = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; wi < n_warps;
+         wi += grid_warps) {
         int64 row, sp, b, c;
         divmod(wi, spans, row, sp);
         divmod(row, dim, b, c);
@@ -224,6 +199,19 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) f
         T* orow = out + b * out_batch_stride + c * out_c_stride;
         const int64 base = sp * span;
 
+        Vec<T> cur[MAXV];
+        #pragma unroll
+        for (int j = 0; j < MAXV; ++j) {
+            if (j >= nv) break;
+            const int64 t = base + (32LL * j + lane) * VN;
+            if (x_vec && t + VN <= seqlen) {
+                cur[j].raw = *reinterpret_cast<const uint4*>(xr + t);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VN; ++e)
+                    cur[j].e[e] = t + e < seqlen ? xr[(t + e) * x_l_stride] : from_acc<T>(A(0));
+            }
+        }
         A w[K];
         with_dtype(weight, weight_dtype, [&](auto* p) {
             #pragma unroll
@@ -298,8 +286,6 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 3) f
                     if (t + o < seqlen) orow[(t + o) * out_l_stride] = res.e[o];
             }
         }
-        #pragma unroll
-        for (int j = 0; j < MAXV; ++j) cur[j] = nxt[j];
     }
 }
 
