@@ -151,40 +151,23 @@ def _forward_gpu(call: _ForwardCall):
             x, (batch, dim, width - 1), dense_strides((batch, dim, width - 1), (0, 2, 1)), x.dtype
         )
     stream = stream_of(x)
-    seq_idx = call.seq_idx if seqlen > 0 else None
+    seq_idx = call.seq_idx if seqlen > 0 else None  # no token, no segment id to read
+
+    def run(plan, final_states):
+        args = forward_args(
+            plan, x, call.weight, call.bias, seq_idx, call.initial_states, out, final_states,
+            width, call.silu,
+        )  # fmt: skip
+        launch("fwd.cu", plan, call.device, args, stream)
+
     if batch * dim * seqlen > 0:
-        plan = plan_forward(x, out, width, seq_idx is not None)
-        args = forward_args(
-            plan,
-            x,
-            call.weight,
-            call.bias,
-            seq_idx,
-            call.initial_states,
-            out,
-            None,
-            width,
-            call.silu,
-        )
-        launch("fwd.cu", plan, call.device, args, stream)
+        run(plan_forward(x, out, width, seq_idx is not None), None)
     if final is not None and batch * dim * (width - 1) > 0:
-        plan = plan_final_states(x, width)
-        args = forward_args(
-            plan,
-            x,
-            call.weight,
-            call.bias,
-            seq_idx,
-            call.initial_states,
-            out,
-            final,
-            width,
-            call.silu,
-        )
-        launch("fwd.cu", plan, call.device, args, stream)
+        run(plan_final_states(x, width), final)
+    result_out = _returned(x, out, call.out)
     if final is None:
-        return out.obj if call.out is not None else result(x, out)
-    return _returned(x, out, call.out), _returned(x, final, call.final_states_out)
+        return result_out
+    return result_out, _returned(x, final, call.final_states_out)
 
 
 def _returned(x: Array, made: Array, given: Array | None):

@@ -1,0 +1,148 @@
+"""Which kernel a forward call launches, and with what arguments, for each layout and feature.
+
+Runs without a GPU: the arrays are stand-ins exposing only ``__cuda_array_interface__`` and
+``__dlpack_device__``, and the launcher records instead of launching.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyconv
+from cupyconv import _arrays, ops
+from cupyconv._dispatch import FWD_FIELDS
+
+
+class FakeCudaArray:
+    """Metadata of a CUDA array on device 0 (its data is never touched)."""
+
+    _next_ptr = 0x7F0000000000
+
+    def __init__(self, shape, strides=None, dtype=np.float32, offset=0):
+        dtype = np.dtype(dtype)
+        if strides is None:
+            strides = _arrays.dense_strides(shape, tuple(range(len(shape))))
+        FakeCudaArray._next_ptr += 1 << 32
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": dtype.str,
+            "data": (FakeCudaArray._next_ptr + offset * dtype.itemsize, False),
+            "strides": tuple(s * dtype.itemsize for s in strides),
+            "version": 3,
+        }
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def channel_last(b, c, length, **kw):
+    return FakeCudaArray((b, c, length), (length * c, 1, c), **kw)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record (kernel name, launch, FwdParams as a dict) instead of launching."""
+    record = []
+
+    def fake_empty(like, shape, strides, dtype):
+        return _arrays.describe(FakeCudaArray(shape, strides, dtype), "out")
+
+    def fake_launch(file, plan, device, args, stream):
+        fields = np.frombuffer(args[-1].tobytes(), np.int64)
+        params = dict(zip(FWD_FIELDS, (int(f) for f in fields), strict=True))
+        params["pointers"] = args[:-1]
+        record.append((plan.name, plan, params))
+
+    monkeypatch.setattr(ops, "empty", fake_empty)
+    monkeypatch.setattr(ops, "launch", fake_launch)
+    monkeypatch.setattr(ops, "stream_of", lambda a: None)
+    monkeypatch.setattr(ops, "result", lambda like, arr: arr.obj)
+    return record
+
+
+def weight(c, k):
+    return FakeCudaArray((c, k))
+
+
+def CF():  # noqa: N802 - names a layout
+    return FakeCudaArray((2, 64, 300))
+
+
+def CL():  # noqa: N802 - names a layout
+    return channel_last(2, 64, 300)
+
+
+@pytest.mark.parametrize(
+    "make_x,width,name",
+    [
+        pytest.param(CF, 4, "fwd_tc<float, 4, false>", id="cf-width4"),
+        pytest.param(CF, 17, "fwd_tc<float, 17, false>", id="cf-width17"),
+        pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
+        pytest.param(CL, 8, "fwd_cl<float, 8, false>", id="cl-width8"),
+        pytest.param(CL, 9, "fwd_general<float>", id="cl-width9"),
+        pytest.param(
+            lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
+            id="time-stride2",
+        ),
+        pytest.param(
+            lambda: FakeCudaArray((2, 64, 300), dtype=np.float16), 4, "fwd_tc<__half, 4, false>",
+            id="cf-float16",
+        ),
+    ],
+)  # fmt: skip
+def test_kernel_follows_layout_and_width(launches, make_x, width, name):
+    x = make_x()
+    cupyconv.causal_conv1d_fn(x, weight(64, width), activation="silu")
+    ((launched, plan, params),) = launches
+    assert launched == name
+    assert params["width"] == width and params["silu_act"] == 1
+    assert (params["batch"], params["dim"], params["seqlen"]) == (2, 64, 300)
+    assert plan.grid >= 1 and plan.grid <= 2**31 - 1
+
+
+def test_default_out_follows_x(launches):
+    x = channel_last(2, 64, 300)
+    out = cupyconv.causal_conv1d_fn(x, weight(64, 4))
+    ((_, _, params),) = launches
+    strides = tuple(s // 4 for s in out.__cuda_array_interface__["strides"])
+    assert strides == (300 * 64, 1, 64)
+    assert (params["out_batch_stride"], params["out_c_stride"], params["out_l_stride"]) == strides
+
+
+def test_vector_flags_follow_alignment(launches):
+    cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 300), offset=0), weight(64, 4))
+    cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 300), offset=1), weight(64, 4))
+    cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 301)), weight(64, 4))  # odd row stride
+    assert [p["x_vec"] for _, _, p in launches] == [1, 0, 0]
+
+
+def test_seq_idx_and_states_select_and_fill(launches):
+    x = FakeCudaArray((2, 64, 300))
+    seq = FakeCudaArray((2, 300), dtype=np.int32)
+    init = FakeCudaArray((2, 64, 3))
+    bias = FakeCudaArray((64,), dtype=np.float16)
+    out, final = cupyconv.causal_conv1d_fn(
+        x, weight(64, 4), bias, seq_idx=seq, initial_states=init, return_final_states=True
+    )
+    (main, _, p), (fin, _, q) = launches
+    assert main == "fwd_tc<float, 4, true>" and fin == "fwd_final_states<float>"
+    assert (p["seq_dtype"], p["bias_dtype"], p["init_dtype"]) == (4, 1, 0)
+    assert p["pointers"][6] == 0 and q["pointers"][6] != 0  # final_states only in the second
+    strides = tuple(s // 4 for s in final.__cuda_array_interface__["strides"])
+    assert strides == (3 * 64, 1, 64)  # [batch, width - 1, dim] viewed as [batch, dim, width - 1]
+
+
+def test_empty_rows_launch_only_the_final_states(launches):
+    x = FakeCudaArray((2, 64, 0))
+    init = FakeCudaArray((2, 64, 3))
+    out, final = cupyconv.causal_conv1d_fn(
+        x, weight(64, 4), initial_states=init, return_final_states=True
+    )
+    assert [name for name, _, _ in launches] == ["fwd_final_states<float>"]
+    assert launches[0][2]["seq_dtype"] == 0  # no seq_idx read when there is no token
+
+
+def test_width1_has_no_final_states_launch(launches):
+    cupyconv.causal_conv1d_fn(FakeCudaArray((2, 8, 5)), weight(8, 1), return_final_states=True)
+    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false>"]
