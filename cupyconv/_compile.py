@@ -46,27 +46,38 @@ def source(name: str) -> str:
 
 
 _lock = threading.Lock()
-_kernels: dict[tuple[int, str, str], object] = {}
+_kernels: dict[tuple[int, str, str], tuple] = {}
 
 
-def get_kernel(file: str, name: str, device: int):
-    """The loaded ``cupy.cuda.Function`` for template instance ``name`` of ``kernels/<file>`` on
-    ``device`` (compiled on first use, then memoised)."""
+def _load(file: str, name: str, device: int) -> tuple:
+    """(cupy.cuda.Function, cupy.RawKernel) of template instance ``name`` of ``kernels/<file>``
+    on ``device``: compiled on first use, then memoised."""
     key = (device, file, name)
-    kernel = _kernels.get(key)
-    if kernel is None:
+    loaded = _kernels.get(key)
+    if loaded is None:
         with _lock:
-            kernel = _kernels.get(key)
-            if kernel is None:
+            loaded = _kernels.get(key)
+            if loaded is None:
                 import cupy
 
                 with cupy.cuda.Device(device):
                     module = cupy.RawModule(
                         code=source(file), options=OPTIONS, name_expressions=(name,)
                     )
-                    kernel = module.get_function(name).kernel
-                _kernels[key] = kernel
-    return kernel
+                    raw = module.get_function(name)
+                    loaded = _kernels[key] = (raw.kernel, raw)
+    return loaded
+
+
+def get_kernel(file: str, name: str, device: int):
+    """The loaded ``cupy.cuda.Function`` for template instance ``name`` of ``kernels/<file>`` on
+    ``device`` (compiled on first use, then memoised)."""
+    return _load(file, name, device)[0]
+
+
+def get_raw_kernel(file: str, name: str, device: int):
+    """The same instance as a ``cupy.RawKernel``, for its attributes (registers, shared memory)."""
+    return _load(file, name, device)[1]
 
 
 def compile_offline(file: str, names, arch: str) -> bytes:

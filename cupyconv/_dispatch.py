@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._arrays import Array
-from ._compile import get_kernel
+from ._compile import get_kernel, get_raw_kernel
 
 C_TYPES = {
     "float32": "float",
@@ -24,24 +24,31 @@ C_TYPES = {
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int32": 4, "int64": 5}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-TC_MAX = 17  # fwd_tc<T, K, SEQ> up to this width; wider time-contiguous input: fwd_wide
-CL_MAX = 8  # fwd_cl<T, K, SEQ> up to this width; wider channel-contiguous input: general
+TC_MAX = 17  # fwd_tc<T, K, SEQ, ...> up to this width; wider time-contiguous input: fwd_wide
+CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
+TC_STAGES, TC_MAX_VECTORS = 2, 4  # fwd_tc: spans staged per warp, most 16-byte vectors per lane
+CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
+STAGED_THREADS = 128  # fwd_tc and fwd_cl blocks (4 warps, each with its own stages)
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
-TC_THREADS = 256
-TILE_THREADS = 128  # fwd_wide and fwd_cl blocks
+TILE_THREADS = 128  # fwd_wide blocks
 GENERAL_THREADS = 256
 SMEM_BUDGET = 48 * 1024
 MAX_GRID = 2**31 - 1
 WIDTHS = range(1, 257)
 
 
-def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, str]:
-    """The dispatch table: the forward template instance for each layout, for x of ``dtype``."""
+def forward_kernels(
+    dtype: str, width: int, seq: bool, vectors: int = TC_MAX_VECTORS
+) -> dict[str, str]:
+    """The dispatch table: the forward template instance for each layout, for x of ``dtype``
+    (``vectors``: 16-byte vectors per lane in a span of fwd_tc)."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
+    tc = f"fwd_tc<{t}, {width}, {s}, {TC_STAGES}, {vectors}>"
+    cl = f"fwd_cl<{t}, {width}, {s}, {CL_STAGES}, {CL_ROWS}>"
     return {
-        "time": f"fwd_tc<{t}, {width}, {s}>" if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
-        "channel": f"fwd_cl<{t}, {width}, {s}>" if width <= CL_MAX else f"fwd_general<{t}>",
+        "time": tc if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
+        "channel": cl if width <= CL_MAX else f"fwd_general<{t}>",
         "general": f"fwd_general<{t}>",
         "final_states": f"fwd_final_states<{t}>",
     }
@@ -55,9 +62,13 @@ def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> list[str]:
             for d in dtypes
             for w in widths
             for seq in (False, True)
-            for name in forward_kernels(d, w, seq).values()
+            for nv in _TC_VECTOR_CHOICES
+            for name in forward_kernels(d, w, seq, nv).values()
         }
     )
+
+
+_TC_VECTOR_CHOICES = (TC_MAX_VECTORS // 2, TC_MAX_VECTORS)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -87,26 +98,31 @@ class Launch:
 _plans: dict[tuple, Launch] = {}
 
 
-def plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
+def plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) -> Launch:
     """Pick the kernel and launch shape from the strides of x (and out); memoised per layout."""
-    key = (x.dtype_name, width, has_seq, x.shape, x.strides, x.ptr % 16, out.strides, out.ptr % 16)
+    key = (
+        device, x.dtype_name, width, has_seq, x.shape, x.strides, x.ptr % 16, out.strides,
+        out.ptr % 16,
+    )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _plan_forward(x, out, width, has_seq)
+        plan = _plans[key] = _plan_forward(x, out, width, has_seq, device)
     return plan
 
 
-def _plan_forward(x: Array, out: Array, width: int, has_seq: bool) -> Launch:
+def _plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
-    table = forward_kernels(x.dtype_name, width, has_seq)
+    short = _TC_VECTOR_CHOICES[0]  # fwd_tc spans of 32 x nv vectors: short rows fit the shorter
+    nv = short if seqlen * itemsize <= 512 * short else TC_MAX_VECTORS
+    table = forward_kernels(x.dtype_name, width, has_seq, nv)
     _, x_c, x_l = x.strides
     if x_l == 1 or (seqlen == 1 and x_c != 1):
         if width <= TC_MAX:
-            return _plan_tc(x, out, table["time"], itemsize)
+            return _plan_tc(x, out, width, nv, table["time"], itemsize, device)
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
     if x_c == 1 and width <= CL_MAX:
-        return _plan_cl(x, out, table["channel"], itemsize)
+        return _plan_cl(x, out, table["channel"], itemsize, device)
     total = batch * dim * seqlen
     grid = min(-(-total // GENERAL_THREADS), MAX_GRID)
     channel_fastest = int(abs(x_c) < abs(x_l))
@@ -119,14 +135,16 @@ def _time_vec(a: Array, itemsize: int) -> bool:
     )
 
 
-def _plan_tc(x, out, name, itemsize) -> Launch:
+def _plan_tc(x, out, width, nv, name, itemsize, device) -> Launch:
     batch, dim, seqlen = x.shape
     vn = 16 // itemsize  # elements per vector
-    nv = min(4, _pow2_at_least(-(-seqlen // (32 * vn))))  # vectors per lane (tile_a)
-    warps = batch * dim * -(-seqlen // (32 * nv * vn))
-    grid = min(-(-warps // (TC_THREADS // 32)), MAX_GRID)
+    halo = -(-(width - 1) // vn)  # HV: vectors before a span
+    warps = STAGED_THREADS // 32
+    smem = warps * TC_STAGES * ((halo + 32 * nv) * 16 + 32 * 8)  # spans, parameter words
+    spans = batch * dim * -(-seqlen // (32 * nv * vn))
+    grid = min(-(-spans // warps), resident_blocks(device, name, STAGED_THREADS, smem))
     x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
-    return Launch(name, grid, (TC_THREADS, 1), 0, nv, x_vec, out_vec)
+    return Launch(name, grid, (STAGED_THREADS, 1), smem, 0, x_vec, out_vec)
 
 
 def _plan_wide(x, out, width, has_seq, name, itemsize) -> Launch:
@@ -147,17 +165,24 @@ def _plan_wide(x, out, width, has_seq, name, itemsize) -> Launch:
     return Launch(name, min(n_tiles, MAX_GRID), (tpr, rows), rows * per_row, tpr, x_vec, out_vec)
 
 
-def _plan_cl(x, out, name, itemsize) -> Launch:
+def _plan_cl(x, out, name, itemsize, device) -> Launch:
     batch, dim, seqlen = x.shape
-    v = (8 if itemsize == 2 else 16) // itemsize  # channels per thread (V in fwd_cl)
-    cg = min(32, _pow2_at_least(-(-dim // v)))
-    ty = TILE_THREADS // cg
-    n_tiles = batch * -(-dim // (cg * v)) * -(-seqlen // (ty * 32))
-    x_vec = _aligned(x, itemsize, _outer_strides(x, (0, 2)), v * itemsize)
-    out_vec = out.strides[1] == 1 and _aligned(
-        out, itemsize, _outer_strides(out, (0, 2)), v * itemsize
-    )
-    return Launch(name, min(n_tiles, MAX_GRID), (cg, ty), 0, cg, x_vec, out_vec)
+    nbytes = 8 if itemsize == 2 else 16  # BYTES in fwd_cl
+    v = nbytes // itemsize  # channels per lane
+    warps = STAGED_THREADS // 32
+    smem = warps * CL_STAGES * CL_ROWS * 32 * nbytes
+    strips = -(-dim // (32 * v))
+    # Runs of time as long as needed for one run per resident warp (fewer, longer runs share
+    # fewer halo rows), in whole groups of CL_ROWS rows.
+    resident = resident_blocks(device, name, STAGED_THREADS, smem) * warps
+    run = -(-(batch * strips * seqlen) // resident)
+    run = min(max(run, 8 * CL_ROWS), seqlen)
+    run = -(-run // CL_ROWS) * CL_ROWS
+    tasks = batch * strips * -(-seqlen // run)
+    grid = min(-(-tasks // warps), MAX_GRID)
+    x_vec = _aligned(x, itemsize, _outer_strides(x, (0, 2)), nbytes)
+    out_vec = out.strides[1] == 1 and _aligned(out, itemsize, _outer_strides(out, (0, 2)), nbytes)
+    return Launch(name, grid, (STAGED_THREADS, 1), smem, run, x_vec, out_vec)
 
 
 def plan_final_states(x: Array, width: int) -> Launch:
@@ -166,6 +191,42 @@ def plan_final_states(x: Array, width: int) -> Launch:
     grid = min(-(-total // GENERAL_THREADS), MAX_GRID)
     name = forward_kernels(x.dtype_name, width, False)["final_states"]
     return Launch(name, grid, (GENERAL_THREADS, 1), 0, 0, False, False)
+
+
+# ---- occupancy: how many blocks of a kernel the device holds at once ------------------------
+
+_resident: dict[tuple, int] = {}
+
+
+def resident_blocks(device: int, name: str, threads: int, smem: int) -> int:
+    """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory of kernel
+    ``name`` that fit on the whole device at once (the grid of a grid-stride kernel that runs
+    in one wave). Sets the kernel's shared-memory carveout to the maximum."""
+    key = (device, name, threads, smem)
+    blocks = _resident.get(key)
+    if blocks is None:
+        from cupy.cuda import runtime as rt
+
+        raw = get_raw_kernel("fwd.cu", name, device)
+        if smem:
+            raw.preferred_shared_memory_carveout = 100  # all of L1 that can be shared memory
+        if smem > 48 * 1024:
+            raw.max_dynamic_shared_size_bytes = smem
+
+        def attr(a):
+            return rt.deviceGetAttribute(a, device)
+
+        warps = -(-threads // 32)
+        regs_per_warp = -(-raw.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
+        block_smem = smem + raw.shared_size_bytes + attr(rt.cudaDevAttrReservedSharedMemoryPerBlock)
+        per_sm = min(
+            attr(rt.cudaDevAttrMaxRegistersPerMultiprocessor) // regs_per_warp // warps,
+            attr(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor) // block_smem,
+            attr(rt.cudaDevAttrMaxThreadsPerMultiProcessor) // (warps * 32),
+            attr(rt.cudaDevAttrMaxBlocksPerMultiprocessor),
+        )
+        blocks = _resident[key] = max(1, per_sm) * attr(rt.cudaDevAttrMultiProcessorCount)
+    return blocks
 
 
 # ---- the typed argument builder: seven pointers, then struct FwdParams of kernels/fwd.cu ------

@@ -161,7 +161,7 @@ def _forward_gpu(call: _ForwardCall):
         launch("fwd.cu", plan, call.device, args, stream)
 
     if batch * dim * seqlen > 0:
-        run(plan_forward(x, out, width, seq_idx is not None), None)
+        run(plan_forward(x, out, width, seq_idx is not None, call.device), None)
     if final is not None and batch * dim * (width - 1) > 0:
         run(plan_final_states(x, width), final)
     result_out = _returned(x, out, call.out)
@@ -206,7 +206,7 @@ def warmup(
     target = call.out or call.x
     get_kernel(
         "fwd.cu",
-        plan_forward(call.x, target, call.width, call.seq_idx is not None).name,
+        plan_forward(call.x, target, call.width, call.seq_idx is not None, call.device).name,
         call.device,
     )
     if call.return_final_states and call.width > 1:

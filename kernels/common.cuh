@@ -53,6 +53,61 @@ __device__ __forceinline__ void with_dtype(const void* p, int code, F&& f) {
     }
 }
 
+// The float of run-time dtype `code` whose bits are u (zero-extended), as A.
+template <typename A>
+__device__ __forceinline__ A bits_as(unsigned long long u, int code) {
+    switch (code) {
+        case F32: return (A)__uint_as_float((unsigned)u);
+        case F16: return (A)__half2float(__ushort_as_half((unsigned short)u));
+        case BF16: return (A)__uint_as_float((unsigned)u << 16);
+        default: return (A)__longlong_as_double((long long)u);
+    }
+}
+
+// Staging through shared memory with cp.async (sm_80 and newer): the copy does not pass through
+// registers, so a warp keeps several pieces of x in flight while it computes an earlier one.
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+// Copies the first `bytes` (0..BYTES) of the BYTES at src into dst and zero-fills the rest;
+// both addresses BYTES-aligned.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                     "l"(src), "r"(bytes) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)),
+                     "l"(src), "n"(BYTES), "r"(bytes) : "memory");
+    }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Stages element i of the float array p of run-time dtype `code` into *dst (8-byte aligned)
+// with cp.async: the 8 bytes of a float64, else the aligned 4 bytes that hold the element.
+__device__ __forceinline__ void stage_param(unsigned long long* dst, const void* p, int code, int64 i) {
+    if (code == F64) {
+        cp_async<8>(dst, static_cast<const double*>(p) + i, 8);
+    } else {
+        const char* a = static_cast<const char*>(p) + i * (code == F32 ? 4 : 2);
+        cp_async<4>(dst, reinterpret_cast<const void*>(reinterpret_cast<unsigned long long>(a) & ~3ull), 4);
+    }
+}
+// The element staged by stage_param(src, p, code, i), as A.
+template <typename A>
+__device__ __forceinline__ A staged_param(const unsigned long long* src, const void* p, int code, int64 i) {
+    const unsigned long long u = *src;
+    if (code == F32 || code == F64) return bits_as<A>(u, code);
+    const bool high = (reinterpret_cast<unsigned long long>(static_cast<const char*>(p) + 2 * i) & 2) != 0;
+    return bits_as<A>(high ? (u >> 16) & 0xffff : u & 0xffff, code);
+}
+
 // Element i of an int32 or int64 index array.
 __device__ __forceinline__ int64 load_index(const void* p, int code, int64 i) {
     return code == I32 ? (int64)static_cast<const int*>(p)[i] : static_cast<const int64*>(p)[i];
@@ -62,3 +117,52 @@ __device__ __forceinline__ int64 load_index(const void* p, int code, int64 i) {
 // for z < -88 gives -0, the limit). double: exact.
 __device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.0f + __expf(-z)); }
 __device__ __forceinline__ double silu(double z) { return z / (1.0 + exp(-z)); }
+
+template <typename A, typename B> constexpr bool same_type = false;
+template <typename A> constexpr bool same_type<A, A> = true;
+
+// dst[i] = A(src[i]) for N values of T (N even for the half types): bfloat16 pairs are widened
+// with one shift or mask each, float16 pairs with one conversion.
+template <typename T, typename A, int N>
+__device__ __forceinline__ void widen(const T* src, A* dst) {
+    if constexpr (same_type<T, __nv_bfloat16>) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const unsigned u = *reinterpret_cast<const unsigned*>(src + i);
+            dst[i] = __uint_as_float(u << 16);
+            dst[i + 1] = __uint_as_float(u & 0xffff0000u);
+        }
+    } else if constexpr (same_type<T, __half>) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(src + i));
+            dst[i] = f.x;
+            dst[i + 1] = f.y;
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = to_acc(src[i]);
+    }
+}
+
+// out[i] = T(act(acc[i])) for N values: the activation as one uniform branch for all of them,
+// and half types converted two at a time.
+template <typename T, typename A, int N>
+__device__ __forceinline__ void activate_store(A (&acc)[N], int silu_act, T* out) {
+    if (silu_act) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = silu(acc[i]);
+    }
+    if constexpr (same_type<T, __nv_bfloat16> && N % 2 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 2)
+            *reinterpret_cast<__nv_bfloat162*>(out + i) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+    } else if constexpr (same_type<T, __half> && N % 2 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 2)
+            *reinterpret_cast<__half2*>(out + i) = __floats2half2_rn(acc[i], acc[i + 1]);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) out[i] = from_acc<T>(acc[i]);
+    }
+}

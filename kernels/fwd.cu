@@ -7,21 +7,23 @@
 //
 // Kernels (all take one FwdParams struct, so one argument builder serves them; SEQ
 // says whether seq_idx is given, so the common case carries no segment bookkeeping):
-//   fwd_tc<T, K, SEQ>   time-contiguous x (x_l_stride == 1), width K <= 17. A warp owns a span
-//                       of a row; each lane holds up to four 16-byte vectors of it, lane-
-//                       interleaved so that every access is coalesced, and takes the K-1
-//                       inputs before each vector from its neighbour lane by shuffles. No
-//                       shared memory, no barrier.
+//   fwd_tc<T, K, SEQ, STAGES, NV>
+//                       time-contiguous x (x_l_stride == 1), width K <= 17. A warp computes
+//                       consecutive spans of 32 NV 16-byte vectors, each staged with its halo
+//                       (and, at a new row, the row's weights) in shared memory by cp.async
+//                       STAGES - 1 spans ahead.
 //   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
 //                       tile of (rows) x (time) plus the K-1 halo in shared memory as A; each
 //                       thread applies the taps, zero-padded to chunks of 16, to its N outputs.
-//   fwd_cl<T, K, SEQ>   channel-contiguous x (x_c_stride == 1), width K <= 8. threadIdx.x owns
-//                       V adjacent channels (one 8- or 16-byte vector), threadIdx.y a run of TT time
-//                       steps, walked U rows at a time with the last K-1 rows kept in registers.
+//   fwd_cl<T, K, SEQ, STAGES, U>
+//                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp walks a
+//                       run of time over a strip of 32 channel vectors, U rows per cp.async
+//                       stage, with the last K-1 rows kept in registers.
 //   fwd_general<T>      any strides, any width: one thread per output.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
-// Every kernel loops over its work with a grid stride, so no grid dimension limits the shape,
-// and every offset is 64-bit. x is read-only; out is written exactly once per element.
+// Every kernel loops over its work (the staged kernels over an equal share of it per warp),
+// so no grid dimension limits the shape, and every offset is 64-bit. x is read-only; out is
+// written exactly once per element.
 #include "common.cuh"
 
 // The arguments of every forward kernel: the seven array pointers (null for absent inputs),
@@ -169,115 +171,171 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 };
 
 // ---------------------------------------------------------------------------------------------
-// fwd_tc: time-contiguous rows, width K <= 17, everything in registers.
-// A warp owns a span of 32 * tile_a vectors (VN elements each) of one row: vector j of lane l
-// holds positions base + (32 j + l) VN .., so every load and store instruction of the warp is
-// one contiguous 512-byte access. The K-1 inputs before a vector are the tail of the vector
-// h = 1..HV places earlier, taken from lane l-h with a shuffle (from the previous column of
-// lane l-h+32 for the first lanes, from memory before the span).
-template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 4) fwd_tc(FWD_SIGNATURE) {
+// fwd_tc: time-contiguous rows, width K <= 17. Rows are cut into spans of 32 NV vectors of VN
+// elements (16 bytes each); the grid's warps share the spans of all rows in contiguous,
+// equal runs, so a warp walks consecutive spans of a row and moves to the next row in place.
+// Each span is staged in the warp's shared memory together with the HV vectors before it
+// (the halo), STAGES - 1 spans ahead of the one being computed; the first span of a row also
+// stages the row's K weights and bias (one word per lane), so that no load is waited for at
+// a row change. Slot i of a stage holds the vector at position span_start + (i - HV) VN;
+// lane l computes the vectors in slots HV + l, HV + l + 32, ... from that slot and the HV
+// slots before it. Every global access is a coalesced 16-byte vector; misaligned rows are
+// staged with element loads instead. Spans whose halo lies before the row with
+// initial_states, and partial spans, take a checked path.
+template <typename T, int K, bool SEQ, int STAGES, int NV>
+__global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
-    constexpr int MAXV = 4;                     // vectors per lane (tile_a <= MAXV at run time)
     constexpr int HV = (K - 1 + VN - 1) / VN;   // halo vectors
     constexpr int HE = HV * VN;                 // halo elements (>= K-1)
     constexpr int OFF = HE - (K - 1);           // window slot of tap 0 for output 0
+    constexpr int slots = HV + 32 * NV;         // vectors per stage
+    constexpr int span = 32 * NV * VN;          // elements per span
+    extern __shared__ uint4 stage_mem[];
+    // Per warp: STAGES stages of `slots` vectors, then STAGES x 32 parameter words.
+    uint4* const stages = stage_mem + (threadIdx.x / 32) * (STAGES * (slots + 16));
+    unsigned long long* const param_words = reinterpret_cast<unsigned long long*>(stages + STAGES * slots);
     const int lane = threadIdx.x & 31;
-    const int nv = tile_a;
-    const int64 span = 32LL * nv * VN;
-    const int64 spans = (seqlen + span - 1) / span;
-    const int64 n_warps = batch * dim * spans;
-    const int64 grid_warps = (int64)gridDim.x * (blockDim.x / 32);
-    for (int64 wi = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; wi < n_warps;
-         wi += grid_warps) {
-        int64 row, sp, b, c;
-        divmod(wi, spans, row, sp);
-        divmod(row, dim, b, c);
-        const T* xr = x + b * x_batch_stride + c * x_c_stride;
-        T* orow = out + b * out_batch_stride + c * out_c_stride;
-        const int64 base = sp * span;
+    const int64 spans_per_row = (seqlen + span - 1) / span;
+    const int64 n_spans = batch * dim * spans_per_row;
+    const int64 n_warps = (int64)gridDim.x * (blockDim.x / 32);
+    const int64 warp = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
+    const int64 per = n_spans / n_warps, extra = n_spans % n_warps;
+    const int64 g0 = warp * per + min(warp, extra), g1 = g0 + per + (warp < extra);
+    if (g0 >= g1) return;
 
-        Vec<T> cur[MAXV];
-        #pragma unroll
-        for (int j = 0; j < MAXV; ++j) {
-            if (j >= nv) break;
-            const int64 t = base + (32LL * j + lane) * VN;
-            if (x_vec && t + VN <= seqlen) {
-                cur[j].raw = *reinterpret_cast<const uint4*>(xr + t);
+    struct Cursor { int64 sp, c, b; };  // span sp of row (b, c)
+    Cursor issued, computed;
+    {
+        int64 row;
+        divmod(g0, spans_per_row, row, issued.sp);
+        divmod(row, dim, issued.b, issued.c);
+        computed = issued;
+    }
+    auto next = [&](Cursor& u) {
+        if (++u.sp == spans_per_row) {
+            u.sp = 0;
+            if (++u.c == dim) { u.c = 0; ++u.b; }
+        }
+    };
+    auto stage_slot = [&](uint4* s, int i, const T* xr, int64 p) {  // slot i <- position p
+        if (p < 0 || p >= seqlen) return;  // before the row: filled at compute time
+        if (x_vec) {
+            cp_async<16>(s + i, xr + p, (int)min((int64)VN, seqlen - p) * (int)sizeof(T));
+        } else {
+            Vec<T> v;
+            #pragma unroll
+            for (int e = 0; e < VN; ++e) v.e[e] = p + e < seqlen ? xr[(p + e) * x_l_stride] : T();
+            s[i] = v.raw;
+        }
+    };
+    // Stages the span at `u` into stage st (when `valid`), and the row's parameters (lane
+    // k < K: tap k, lane K: the bias) when `params`; always commits one group.
+    auto issue = [&](const Cursor& u, int st, bool valid, bool params) {
+        if (valid) {
+            if (params && lane < K)
+                stage_param(param_words + st * 32 + lane, weight, weight_dtype,
+                            u.c * weight_c_stride + lane * weight_width_stride);
+            if (params && lane == K && bias)
+                stage_param(param_words + st * 32 + lane, bias, bias_dtype, u.c * bias_stride);
+            const T* xr = x + u.b * x_batch_stride + u.c * x_c_stride;
+            const int64 start = u.sp * span;
+            uint4* s = stages + st * slots;
+            if (x_vec && start + span <= seqlen) {  // whole vectors
+                const T* src = xr + (start - HE) + lane * VN;
+                if (start >= HE) {  // slots 0 .. 32 nv + HV - 1 in order
+                    #pragma unroll
+                    for (int j = 0; j < NV; ++j) cp_async<16>(s + 32 * j + lane, src + 32 * j * VN, 16);
+                    if (HV > 0 && lane < HV) cp_async<16>(s + 32 * NV + lane, src + 32 * NV * VN, 16);
+                } else {  // the first span of a row: zeros before it (initial_states: at compute)
+                    #pragma unroll
+                    for (int j = 0; j < NV; ++j) cp_async<16>(s + HV + 32 * j + lane, src + HE + 32 * j * VN, 16);
+                    if (HV > 0 && lane < HV) s[lane] = make_uint4(0, 0, 0, 0);
+                }
             } else {
-                #pragma unroll
-                for (int e = 0; e < VN; ++e)
-                    cur[j].e[e] = t + e < seqlen ? xr[(t + e) * x_l_stride] : from_acc<T>(A(0));
+                #pragma unroll 1
+                for (int j = 0; j < NV; ++j) stage_slot(s, HV + 32 * j + lane, xr, start + (32LL * j + lane) * VN);
+                if (HV > 0 && lane < HV) stage_slot(s, lane, xr, start - (int64)(HV - lane) * VN);
             }
         }
-        A w[K];
-        with_dtype(weight, weight_dtype, [&](auto* p) {
-            #pragma unroll
-            for (int k = 0; k < K; ++k) w[k] = to_acc(p[c * weight_c_stride + k * weight_width_stride]);
-        });
-        const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
-
+        cp_async_commit();
+    };
+    A w[K], bias_c = A(0);
+    auto load_params = [&](int64 c, int st) {  // row c's parameters, staged in stage st
+        A mine = A(0);
+        if (lane < K)
+            mine = staged_param<A>(param_words + st * 32 + lane, weight, weight_dtype,
+                                   c * weight_c_stride + lane * weight_width_stride);
+        else if (lane == K && bias)
+            mine = staged_param<A>(param_words + st * 32 + lane, bias, bias_dtype, c * bias_stride);
         #pragma unroll
-        for (int j = 0; j < MAXV; ++j) {
-            if (j >= nv) break;
-            const int64 t = base + (32LL * j + lane) * VN;
-            A win[HE + VN];  // positions t-HE .. t+VN-1
+        for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
+        bias_c = __shfl_sync(0xffffffffu, mine, K);
+    };
+
+    // Output vector j of the lane (positions t ..), from the staged window.
+    auto outputs = [&](const uint4* s, int j, int64 b, int64 c, int64 t, bool edge) {
+        A win[HE + VN];  // positions t-HE .. t+VN-1
+        #pragma unroll
+        for (int h = 0; h <= HV; ++h) {
+            Vec<T> v;
+            v.raw = s[32 * j + h];
+            widen<T, A, VN>(v.e, win + h * VN);
+        }
+        if (HE > 0 && edge && t < HE) {  // positions before the row: initial_states (or zeros)
             #pragma unroll
-            for (int h = 1; h <= HV; ++h) {
-                // Lane s serves lane s+h: its own column j, or column j-1 across the wrap.
-                const uint4 give = lane + h < 32 || j == 0 ? cur[j].raw : cur[j > 0 ? j - 1 : 0].raw;
-                const int from = (lane - h) & 31;
-                Vec<T> got;
-                got.raw.x = __shfl_sync(0xffffffffu, give.x, from);
-                got.raw.y = __shfl_sync(0xffffffffu, give.y, from);
-                got.raw.z = __shfl_sync(0xffffffffu, give.z, from);
-                got.raw.w = __shfl_sync(0xffffffffu, give.w, from);
-                const int64 th = t - h * VN;  // first position of halo vector h
-                if (j == 0 && lane < h) {      // before the span: from memory
-                    if (x_vec && th >= 0) {
-                        got.raw = *reinterpret_cast<const uint4*>(xr + th);
-                    } else {
-                        #pragma unroll
-                        for (int e = 0; e < VN; ++e)
-                            got.e[e] = from_acc<T>(th + e >= 0 ? to_acc(xr[(th + e) * x_l_stride]) : A(0));
-                    }
-                }
-                #pragma unroll
-                for (int e = 0; e < VN; ++e) win[HE - h * VN + e] = to_acc(got.e[e]);
-                if (th < 0) {  // positions before the row: initial_states (or zeros)
-                    #pragma unroll
-                    for (int e = 0; e < VN; ++e) {
-                        const int64 s = th + e;
-                        if (s < 0) win[HE - h * VN + e] = s < -(K - 1) ? A(0) : INPUT_AT(A, b, c, s);
-                    }
+            for (int q = 0; q < HE; ++q) {
+                const int64 p = t - HE + q;
+                if (p < 0) win[q] = p < -(K - 1) ? A(0) : INPUT_AT(A, b, c, p);
+            }
+        }
+        int64 ids[SEQ ? HE + VN : 1];
+        if constexpr (SEQ) {
+            #pragma unroll
+            for (int q = 0; q < HE + VN; ++q) {
+                const int64 p = t - HE + q;
+                ids[q] = p < seqlen ? SEQ_ID(b, p) : -1;
+            }
+        }
+        A acc[VN];
+        #pragma unroll
+        for (int o = 0; o < VN; ++o) {
+            acc[o] = bias_c;
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if constexpr (SEQ) {
+                    if (ids[OFF + o + k] == ids[HE + o]) acc[o] += w[k] * win[OFF + o + k];
+                } else {
+                    acc[o] += w[k] * win[OFF + o + k];
                 }
             }
-            #pragma unroll
-            for (int e = 0; e < VN; ++e) win[HE + e] = to_acc(cur[j].e[e]);
-            int64 ids[SEQ ? HE + VN : 1];
             if constexpr (SEQ) {
-                #pragma unroll
-                for (int q = 0; q < HE + VN; ++q) {
-                    const int64 s = t - HE + q;
-                    ids[q] = s < seqlen ? SEQ_ID(b, s) : -1;
-                }
+                if (ids[HE + o] < 0) acc[o] = A(0);  // padding
             }
-            Vec<T> res;
+        }
+        Vec<T> res;
+        activate_store(acc, silu_act, res.e);
+        return res;
+    };
+    auto compute = [&](const Cursor& u, int st, bool new_row) {
+        const int64 b = u.b, c = u.c, start = u.sp * span;
+        if (new_row) load_params(c, st);
+        const uint4* s = stages + st * slots + lane;
+        T* const orow = out + b * out_batch_stride + c * out_c_stride;
+        // A whole span whose halo is staged (zeros before the row without initial_states).
+        if (out_vec && x_vec && start + span <= seqlen && (start >= HE || !initial_states)) {
+            uint4* o = reinterpret_cast<uint4*>(orow + start) + lane;
             #pragma unroll
-            for (int o = 0; o < VN; ++o) {
-                A acc = bias_c;
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    if constexpr (SEQ) {
-                        if (ids[OFF + o + k] == ids[HE + o]) acc += w[k] * win[OFF + o + k];
-                    } else {
-                        acc += w[k] * win[OFF + o + k];
-                    }
-                }
-                res.e[o] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? HE + o : 0] < 0, silu_act));
-            }
+            for (int j = 0; j < NV; ++j)
+                o[32 * j] = outputs(s, j, b, c, start + (32LL * j + lane) * VN, false).raw;
+            return;
+        }
+        #pragma unroll 1
+        for (int j = 0; j < NV; ++j) {
+            const int64 t = start + (32LL * j + lane) * VN;
+            if (t >= seqlen) break;
+            const Vec<T> res = outputs(s, j, b, c, t, true);
             if (out_vec && t + VN <= seqlen) {
                 *reinterpret_cast<uint4*>(orow + t) = res.raw;
             } else {
@@ -286,6 +344,25 @@ __global__ void __launch_bounds__(256, SEQ || K > 4 || sizeof(T) == 8 ? 1 : 4) f
                     if (t + o < seqlen) orow[(t + o) * out_l_stride] = res.e[o];
             }
         }
+    };
+
+    #pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        const bool valid = g0 + k < g1;
+        issue(issued, k, valid, k == 0 || issued.sp == 0);
+        if (valid) next(issued);
+    }
+    int st = 0;
+    for (int64 g = g0; g < g1; ++g) {
+        const bool ahead = g + (STAGES - 1) < g1;
+        issue(issued, st == 0 ? STAGES - 1 : st - 1, ahead, STAGES == 1 || issued.sp == 0);
+        if (ahead) next(issued);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        compute(computed, st, g == g0 || computed.sp == 0);
+        next(computed);
+        __syncwarp();  // stage st is free for the next issue
+        st = st + 1 == STAGES ? 0 : st + 1;
     }
 }
 
@@ -436,107 +513,181 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// fwd_cl: channel-contiguous tiles. tile_a = channel vectors per block (blockDim.x);
-// blockDim.y runs of TT time steps. Tiles are ordered time-fastest so that neighbouring blocks
-// share their halo rows in L2. Rows are kept as raw 16-byte vectors and converted at use.
-template <typename T, int K, bool SEQ>
-__global__ void __launch_bounds__(128, SEQ || K > 4 || sizeof(T) != 2 ? 1 : 6) fwd_cl(FWD_SIGNATURE) {
+// fwd_cl: channel-contiguous x (x_c_stride == 1), width K <= 8. Lane l of a warp owns V
+// adjacent channels (one BYTES-wide vector) of a strip of 32 V channels. A task is a run of
+// tile_a time steps (a multiple of U) of one strip of one batch row; tasks are numbered
+// strip-fastest and the grid's warps share them in contiguous, equal runs. A warp walks its
+// tasks U rows at a time; each group of U rows is staged in the warp's shared memory by
+// cp.async STAGES - 1 groups ahead, and the last K-1 rows stay in registers.
+template <typename T, int K, bool SEQ, int STAGES, int U>
+__global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
     using VecT = Vec<T, BYTES>;
     using Raw = typename VecT::Raw;
-    constexpr int V = VecT::V;    // channels per thread
-    constexpr int U = 8;          // time steps loaded together
-    constexpr int TT = 32;        // time steps per thread
+    constexpr int V = VecT::V;    // channels per lane
     constexpr int W = K - 1;      // history rows kept in registers
+    extern __shared__ uint4 stage_mem[];
+    const int lane = threadIdx.x & 31;
+    Raw* const stages = reinterpret_cast<Raw*>(stage_mem) + (threadIdx.x / 32) * (STAGES * U * 32) + lane;
+    const int64 run_len = tile_a;
+    const int groups = (int)(run_len / U);
+    const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
+    const int64 n_runs = (seqlen + run_len - 1) / run_len;
+    const int64 n_tasks = batch * n_runs * n_strips;
+    const int64 n_warps = (int64)gridDim.x * (blockDim.x / 32);
+    const int64 warp = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
+    const int64 per = n_tasks / n_warps, extra = n_tasks % n_warps;
+    const int64 k0 = warp * per + min(warp, extra), k1 = k0 + per + (warp < extra);
+    if (k0 >= k1) return;
 
-    const int64 block_c = (int64)blockDim.x * V, block_t = (int64)blockDim.y * TT;
-    const int64 n_cblk = (dim + block_c - 1) / block_c, n_tblk = (seqlen + block_t - 1) / block_t;
-    const int64 n_tiles = batch * n_cblk * n_tblk;
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-        int64 bc, tblk, b, cblk;
-        divmod(tile, n_tblk, bc, tblk);
-        divmod(bc, n_cblk, b, cblk);
-        const int64 c0 = cblk * block_c + threadIdx.x * V;
-        const int64 ts = tblk * block_t + threadIdx.y * TT;
-        if (c0 >= dim || ts >= seqlen) continue;
-        const int nc = c0 + V <= dim ? V : (int)(dim - c0);
-        const bool vec_in = x_vec && nc == V, vec_out = out_vec && nc == V;
-
-        A w[K][V], bias_v[V];
-        with_dtype(weight, weight_dtype, [&](auto* p) {
-            #pragma unroll
-            for (int v = 0; v < V; ++v)
-                #pragma unroll
-                for (int k = 0; k < K; ++k)
-                    w[k][v] = to_acc(p[(v < nc ? c0 + v : c0) * weight_c_stride + k * weight_width_stride]);
-        });
-        #pragma unroll
-        for (int v = 0; v < V; ++v)
-            bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (v < nc ? c0 + v : c0) * bias_stride) : A(0);
-        // rows[0 .. W-1]: history (positions t0-W .. t0-1), rows[W ..]: the U new rows.
-        VecT rows[W + U];
-        int64 ids[SEQ ? W + U : 1];
-        #pragma unroll
-        for (int j = 0; j < W; ++j) {
-            const int64 s = ts - W + j;
-            #pragma unroll
-            for (int v = 0; v < V; ++v)
-                rows[j].e[v] = from_acc<T>(v < nc ? INPUT_AT(A, b, c0 + v, s) : A(0));
-            if constexpr (SEQ) ids[j] = SEQ_ID(b, s);
+    struct Cursor {
+        int64 task, b, t, c0;  // task; its batch row; first step of the group; lane's channel
+        int grp, nc;           // group in the task; lane's channels inside dim (0..V)
+    };
+    auto locate = [&](Cursor& u) {  // group 0 of u.task
+        int64 br, strip, run;
+        divmod(u.task, n_strips, br, strip);
+        divmod(br, n_runs, u.b, run);
+        u.t = run * run_len;
+        u.c0 = strip * (32 * V) + lane * V;
+        u.nc = u.c0 >= dim ? 0 : u.c0 + V <= dim ? V : (int)(dim - u.c0);
+        u.grp = 0;
+    };
+    auto next = [&](Cursor& u) {
+        u.t += U;
+        if (++u.grp == groups || u.t >= seqlen) {
+            if (++u.task < k1) locate(u);
         }
-        const T* xb = x + b * x_batch_stride + c0 * x_c_stride;
-        T* ob = out + b * out_batch_stride + c0 * out_c_stride;
-        #pragma unroll 1
-        for (int tt = 0; tt < TT && ts + tt < seqlen; tt += U) {
-            const int64 t0 = ts + tt;
-            const int nu = t0 + U <= seqlen ? U : (int)(seqlen - t0);  // valid new rows
-            if (vec_in && nu == U) {
+    };
+    // Stages the group at `u` into stage st (when `valid`); always commits one group.
+    auto issue = [&](const Cursor& u, int st, bool valid) {
+        if (valid && u.nc > 0) {
+            const T* src = x + u.b * x_batch_stride + u.c0 + u.t * x_l_stride;
+            Raw* s = stages + st * (U * 32);
+            const int bytes = u.nc * (int)sizeof(T);
+            if (x_vec && u.t + U <= seqlen) {
                 #pragma unroll
-                for (int u = 0; u < U; ++u)
-                    rows[W + u].raw = *reinterpret_cast<const Raw*>(xb + (t0 + u) * x_l_stride);
+                for (int r = 0; r < U; ++r) cp_async<BYTES>(s + r * 32, src + r * x_l_stride, bytes);
             } else {
                 #pragma unroll
-                for (int u = 0; u < U; ++u)
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v)
-                        rows[W + u].e[v] = u < nu && v < nc ? xb[(t0 + u) * x_l_stride + v * x_c_stride]
-                                                            : from_acc<T>(A(0));
-            }
-            if constexpr (SEQ) {
-                #pragma unroll
-                for (int u = 0; u < U; ++u) ids[W + u] = u < nu ? SEQ_ID(b, t0 + u) : -1;
-            }
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                VecT res;
-                #pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    A acc = bias_v[v];
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {  // row t-(K-1)+k is rows[u + k]
-                        if constexpr (SEQ) {
-                            if (ids[u + k] == ids[W + u]) acc += w[k][v] * to_acc(rows[u + k].e[v]);
-                        } else {
-                            acc += w[k][v] * to_acc(rows[u + k].e[v]);
-                        }
+                for (int r = 0; r < U; ++r) {
+                    if (u.t + r >= seqlen) break;
+                    if (x_vec) {
+                        cp_async<BYTES>(s + r * 32, src + r * x_l_stride, bytes);
+                    } else {
+                        VecT v;
+                        #pragma unroll
+                        for (int e = 0; e < V; ++e) v.e[e] = e < u.nc ? src[r * x_l_stride + e] : T();
+                        s[r * 32] = v.raw;
                     }
-                    res.e[v] = from_acc<T>(finish(acc, SEQ && ids[SEQ ? W + u : 0] < 0, silu_act));
                 }
-                if (vec_out && u < nu) {
-                    *reinterpret_cast<Raw*>(ob + (t0 + u) * out_l_stride) = res.raw;
-                } else if (u < nu) {
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v)
-                        if (v < nc) ob[(t0 + u) * out_l_stride + v * out_c_stride] = res.e[v];
-                }
-            }
-            #pragma unroll
-            for (int j = 0; j < W; ++j) {  // slide the history by U rows
-                rows[j] = rows[j + U];
-                if constexpr (SEQ) ids[j] = ids[j + U];
             }
         }
+        cp_async_commit();
+    };
+
+    A w[K][V], bias_v[V], hist[W > 0 ? W : 1][V];
+    int64 hist_id[SEQ && W > 0 ? W : 1];
+    // The outputs of row t from its staged inputs; slides the history by one row.
+    auto step = [&](Raw raw, int64 b, int64 t) {
+        VecT row;
+        row.raw = raw;
+        const int64 id = SEQ ? SEQ_ID(b, t) : 0;
+        A xr[V], acc[V];
+        widen<T, A, V>(row.e, xr);
+        #pragma unroll
+        for (int v = 0; v < V; ++v) {
+            acc[v] = bias_v[v];
+            #pragma unroll
+            for (int k = 0; k < W; ++k) {
+                if constexpr (SEQ) {
+                    if (hist_id[k] == id) acc[v] += w[k][v] * hist[k][v];
+                } else {
+                    acc[v] += w[k][v] * hist[k][v];
+                }
+            }
+            acc[v] += w[W][v] * xr[v];
+            if (SEQ && id < 0) acc[v] = A(0);  // padding
+            #pragma unroll
+            for (int k = 0; k + 1 < W; ++k) hist[k][v] = hist[k + 1][v];
+            if (W > 0) hist[W > 0 ? W - 1 : 0][v] = xr[v];
+        }
+        if constexpr (SEQ && W > 0) {
+            #pragma unroll
+            for (int k = 0; k + 1 < W; ++k) hist_id[k] = hist_id[k + 1];
+            hist_id[W - 1] = id;
+        }
+        VecT res;
+        activate_store(acc, silu_act, res.e);
+        return res;
+    };
+    auto compute = [&](const Cursor& u, int st) {
+        const int64 b = u.b, c0 = u.c0;
+        const int nc = u.nc;
+        if (u.grp == 0) {  // a new task: its parameters and the K-1 rows before it
+            const int64 cw = nc > 0 ? c0 : 0;  // a channel to read parameters of (idle lanes)
+            with_dtype(weight, weight_dtype, [&](auto* p) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v)
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k)
+                        w[k][v] = to_acc(p[(v < nc ? cw + v : cw) * weight_c_stride + k * weight_width_stride]);
+            });
+            #pragma unroll
+            for (int v = 0; v < V; ++v)
+                bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (v < nc ? cw + v : cw) * bias_stride) : A(0);
+            #pragma unroll
+            for (int j = 0; j < W; ++j) {
+                const int64 p = u.t - W + j;
+                #pragma unroll
+                for (int v = 0; v < V; ++v) hist[j][v] = v < nc ? INPUT_AT(A, b, cw + v, p) : A(0);
+                if constexpr (SEQ) hist_id[j] = SEQ_ID(b, p);
+            }
+        }
+        const Raw* s = stages + st * (U * 32);
+        T* ob = out + b * out_batch_stride + c0 * out_c_stride + u.t * out_l_stride;
+        if (out_vec && nc == V && u.t + U <= seqlen) {  // U whole rows
+            #pragma unroll
+            for (int r = 0; r < U; ++r)
+                *reinterpret_cast<Raw*>(ob + r * out_l_stride) = step(s[r * 32], b, u.t + r).raw;
+            return;
+        }
+        #pragma unroll 1
+        for (int r = 0; r < U; ++r, ob += out_l_stride) {
+            if (u.t + r >= seqlen) break;
+            const VecT res = step(s[r * 32], b, u.t + r);
+            if (out_vec && nc == V) {
+                *reinterpret_cast<Raw*>(ob) = res.raw;
+            } else {
+                #pragma unroll
+                for (int v = 0; v < V; ++v)
+                    if (v < nc) ob[v * out_c_stride] = res.e[v];
+            }
+        }
+    };
+
+    Cursor issued, computed;
+    issued.task = k0;
+    locate(issued);
+    computed = issued;
+    #pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        const bool valid = issued.task < k1;
+        issue(issued, k, valid);
+        if (valid) next(issued);
+    }
+    int st = 0;
+    while (computed.task < k1) {
+        const bool valid = issued.task < k1;
+        issue(issued, st == 0 ? STAGES - 1 : st - 1, valid);
+        if (valid) next(issued);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        compute(computed, st);
+        next(computed);
+        __syncwarp();  // stage st is free for the next issue
+        st = st + 1 == STAGES ? 0 : st + 1;
     }
 }

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupyconv
-from cupyconv import _arrays, ops
+from cupyconv import _arrays, _dispatch, ops
 from cupyconv._dispatch import FWD_FIELDS
 
 
@@ -58,6 +58,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops, "launch", fake_launch)
     monkeypatch.setattr(ops, "stream_of", lambda a: None)
     monkeypatch.setattr(ops, "result", lambda like, arr: arr.obj)
+    monkeypatch.setattr(_dispatch, "resident_blocks", lambda device, name, threads, smem: 132 * 8)
+    monkeypatch.setattr(_dispatch, "_plans", {})
     return record
 
 
@@ -76,17 +78,19 @@ def CL():  # noqa: N802 - names a layout
 @pytest.mark.parametrize(
     "make_x,width,name",
     [
-        pytest.param(CF, 4, "fwd_tc<float, 4, false>", id="cf-width4"),
-        pytest.param(CF, 17, "fwd_tc<float, 17, false>", id="cf-width17"),
+        pytest.param(CF, 4, "fwd_tc<float, 4, false, 2, 4>", id="cf-width4"),
+        pytest.param(CF, 17, "fwd_tc<float, 17, false, 2, 4>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
-        pytest.param(CL, 8, "fwd_cl<float, 8, false>", id="cl-width8"),
+        pytest.param(CL, 8, "fwd_cl<float, 8, false, 2, 8>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_general<float>", id="cl-width9"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
             id="time-stride2",
         ),
         pytest.param(
-            lambda: FakeCudaArray((2, 64, 300), dtype=np.float16), 4, "fwd_tc<__half, 4, false>",
+            lambda: FakeCudaArray((2, 64, 300), dtype=np.float16),
+            4,
+            "fwd_tc<__half, 4, false, 2, 2>",
             id="cf-float16",
         ),
     ],
@@ -126,7 +130,7 @@ def test_seq_idx_and_states_select_and_fill(launches):
         x, weight(64, 4), bias, seq_idx=seq, initial_states=init, return_final_states=True
     )
     (main, _, p), (fin, _, q) = launches
-    assert main == "fwd_tc<float, 4, true>" and fin == "fwd_final_states<float>"
+    assert main == "fwd_tc<float, 4, true, 2, 4>" and fin == "fwd_final_states<float>"
     assert (p["seq_dtype"], p["bias_dtype"], p["init_dtype"]) == (4, 1, 0)
     assert p["pointers"][6] == 0 and q["pointers"][6] != 0  # final_states only in the second
     strides = tuple(s // 4 for s in final.__cuda_array_interface__["strides"])
@@ -145,4 +149,49 @@ def test_empty_rows_launch_only_the_final_states(launches):
 
 def test_width1_has_no_final_states_launch(launches):
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 8, 5)), weight(8, 1), return_final_states=True)
-    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false>"]
+    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false, 2, 2>"]
+
+
+def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
+    """Blocks per SM = min over registers, shared memory, threads and the block limit."""
+    import sys
+    import types
+
+    attrs = {"count": 132, "smem": 233472, "regs": 65536, "threads": 2048, "blocks": 32}
+    attrs["res"] = 1024
+    runtime = types.SimpleNamespace(
+        cudaDevAttrMultiProcessorCount="count",
+        cudaDevAttrMaxSharedMemoryPerMultiprocessor="smem",
+        cudaDevAttrMaxRegistersPerMultiprocessor="regs",
+        cudaDevAttrMaxThreadsPerMultiProcessor="threads",
+        cudaDevAttrMaxBlocksPerMultiprocessor="blocks",
+        cudaDevAttrReservedSharedMemoryPerBlock="res",
+        deviceGetAttribute=lambda attr, device: attrs[attr],
+    )
+    cuda = types.SimpleNamespace(runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setattr(_dispatch, "_resident", {})
+    kernel = types.SimpleNamespace(num_regs=64, shared_size_bytes=0)
+    monkeypatch.setattr(_dispatch, "get_raw_kernel", lambda file, name, device: kernel)
+
+    # 64 registers x 128 threads: 8 blocks; 16 KB of shared memory would allow 13.
+    assert _dispatch.resident_blocks(0, "k", 128, 16 * 1024) == 8 * 132
+    assert kernel.preferred_shared_memory_carveout == 100
+    # 40 KB of shared memory per block: 233472 // (40960 + 1024) = 5 blocks.
+    assert _dispatch.resident_blocks(0, "k", 128, 40 * 1024) == 5 * 132
+    # 72 registers round up to 2304 per warp: 28 warps, 7 blocks of 4 warps.
+    kernel.num_regs = 72
+    assert _dispatch.resident_blocks(0, "k2", 128, 0) == 7 * 132
+
+
+def test_channel_runs_fill_the_device(launches):
+    """fwd_cl's run length (tile_a): whole row groups, about one run per resident warp."""
+    x = channel_last(8, 5120, 2048, dtype=np.float16)
+    cupyconv.causal_conv1d_fn(x, FakeCudaArray((5120, 4), dtype=np.float16))
+    ((name, plan, params),) = launches
+    assert name.startswith("fwd_cl<__half, 4, false")
+    run = params["tile_a"]
+    assert run % _dispatch.CL_ROWS == 0
+    tasks = 8 * -(-5120 // 128) * -(-2048 // run)
+    assert tasks <= 132 * 8 * 4 < tasks + 8 * 40  # fake device: 132 SMs x 8 blocks x 4 warps
