@@ -198,11 +198,8 @@ __global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
     unsigned long long* const param_words = reinterpret_cast<unsigned long long*>(stages + STAGES * slots);
     const int lane = threadIdx.x & 31;
     const int64 spans_per_row = (seqlen + span - 1) / span;
-    const int64 n_spans = batch * dim * spans_per_row;
-    const int64 n_warps = (int64)gridDim.x * (blockDim.x / 32);
-    const int64 warp = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
-    const int64 per = n_spans / n_warps, extra = n_spans % n_warps;
-    const int64 g0 = warp * per + min(warp, extra), g1 = g0 + per + (warp < extra);
+    int64 g0, g1;  // this warp's spans
+    warp_share(batch * dim * spans_per_row, g0, g1);
     if (g0 >= g1) return;
 
     struct Cursor { int64 sp, c, b; };  // span sp of row (b, c)
@@ -535,11 +532,8 @@ __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
     const int groups = (int)(run_len / U);
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 n_runs = (seqlen + run_len - 1) / run_len;
-    const int64 n_tasks = batch * n_runs * n_strips;
-    const int64 n_warps = (int64)gridDim.x * (blockDim.x / 32);
-    const int64 warp = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
-    const int64 per = n_tasks / n_warps, extra = n_tasks % n_warps;
-    const int64 k0 = warp * per + min(warp, extra), k1 = k0 + per + (warp < extra);
+    int64 k0, k1;  // this warp's tasks
+    warp_share(batch * n_runs * n_strips, k0, k1);
     if (k0 >= k1) return;
 
     struct Cursor {
