@@ -183,6 +183,9 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     # 72 registers round up to 2304 per warp: 28 warps, 7 blocks of 4 warps.
     kernel.num_regs = 72
     assert _dispatch.resident_blocks(0, "k2", 128, 0) == 7 * 132
+    # Above 48 KB the kernel is allowed the dynamic shared memory it is launched with.
+    assert _dispatch.resident_blocks(0, "k3", 128, 60 * 1024) == 3 * 132
+    assert kernel.max_dynamic_shared_size_bytes == 60 * 1024
 
 
 def test_channel_runs_fill_the_device(launches):
