@@ -24,6 +24,16 @@ CPU = -1  # the device of a CPU array
 
 _FLOAT_NAMES = ("float32", "float16", "bfloat16", "float64")
 
+CACHE_ENTRIES = 4096  # most entries of one memo dict; a full one starts over
+
+
+def remember(cache: dict, key, value):
+    """``cache[key] = value`` for a bounded memo dict (emptied first when full); returns value."""
+    if len(cache) >= CACHE_ENTRIES:
+        cache.clear()
+    cache[key] = value
+    return value
+
 
 def _bfloat16():
     import ml_dtypes
@@ -87,12 +97,28 @@ class Array:
 
     def span(self) -> tuple[int, int]:
         """[first, last] byte addresses the array can touch (for overlap checks)."""
-        itemsize = np.dtype(self.dtype).itemsize if isinstance(self.dtype, np.dtype) else 1
-        if any(n == 0 for n in self.shape):
-            return self.ptr, self.ptr - 1
-        lo = sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
-        hi = sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
-        return self.ptr + lo * itemsize, self.ptr + (hi + 1) * itemsize - 1
+        lo, hi = _extent(self.shape, self.strides, self.dtype)
+        return self.ptr + lo, self.ptr + hi
+
+
+_extents: dict[tuple, tuple[int, int]] = {}
+
+
+def _extent(shape, strides, dtype) -> tuple[int, int]:
+    """Byte offsets of the first and last byte an array of this layout can touch, relative to
+    its base pointer ((0, -1) when empty); memoised."""
+    key = (shape, strides, dtype)
+    extent = _extents.get(key)
+    if extent is None:
+        itemsize = dtype.itemsize if isinstance(dtype, np.dtype) else 1
+        if any(n == 0 for n in shape):
+            extent = (0, -1)
+        else:
+            lo = sum(s * (n - 1) for s, n in zip(strides, shape) if s < 0)
+            hi = sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0)
+            extent = (lo * itemsize, (hi + 1) * itemsize - 1)
+        remember(_extents, key, extent)
+    return extent
 
 
 # ---- torch -----------------------------------------------------------------------------------
@@ -259,7 +285,7 @@ def strides_like(arr: Array) -> tuple[int, ...]:
     key = (arr.shape, arr.strides)
     strides = _like_strides.get(key)
     if strides is None:
-        strides = _like_strides[key] = dense_strides(arr.shape, stride_order(arr))
+        strides = remember(_like_strides, key, dense_strides(arr.shape, stride_order(arr)))
     return strides
 
 
@@ -278,7 +304,7 @@ def empty(like: Array, shape, strides, dtype) -> Array:
         t = torch.empty_strided(
             shape, strides, dtype=_numpy_to_torch_dtype(torch, dtype), device=like.obj.device
         )
-        return _describe_torch(torch, t, "out")
+        return Array(t, "torch", like.device, t.data_ptr(), tuple(shape), tuple(strides), dtype)
     import cupy
 
     dtype = np.dtype(dtype)
@@ -289,9 +315,14 @@ def empty(like: Array, shape, strides, dtype) -> Array:
     return _describe_cupy(a, a, "cupy")
 
 
+_numpy_to_torch: dict = {}
+
+
 def _numpy_to_torch_dtype(torch, dtype):
-    name = np.dtype(dtype).name
-    return getattr(torch, name)
+    found = _numpy_to_torch.get(dtype)
+    if found is None:
+        found = _numpy_to_torch[dtype] = getattr(torch, np.dtype(dtype).name)
+    return found
 
 
 def result(like: Array, arr: Array):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import Array
+from ._arrays import Array, remember
 from ._compile import get_kernel, get_raw_kernel
 
 C_TYPES = {
@@ -106,7 +106,7 @@ def plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) -
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _plan_forward(x, out, width, has_seq, device)
+        plan = remember(_plans, key, _plan_forward(x, out, width, has_seq, device))
     return plan
 
 
@@ -269,8 +269,13 @@ def forward_args(
         _code(weight), _code(bias), _code(seq_idx), _code(initial_states),
         int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a,
     )  # fmt: skip
-    params = np.array(values, dtype=np.int64).view(_FWD_STRUCT)[0]
+    params = _params.get(values)
+    if params is None:
+        params = remember(_params, values, np.array(values, np.int64).view(_FWD_STRUCT)[0])
     return (x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr, params)
+
+
+_params: dict[tuple, np.void] = {}  # FwdParams per distinct value tuple (pointer-free)
 
 
 def _code(a: Array | None) -> int:

@@ -7,9 +7,11 @@ cache_seqlens, conv_state_indices or cu_seqlens values are the caller's responsi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
-from ._arrays import Array, describe, describe_optional
+from ._arrays import Array, describe, describe_optional, remember
 
 MAX_WIDTH = 256
 ACTIVATIONS = (None, "silu", "swish")
@@ -73,9 +75,14 @@ def width(weight: Array) -> int:
     return k
 
 
-def same_device(arrays: dict[str, Array | None]) -> int:
-    """The common device of the given arrays; ValueError naming two that differ."""
-    present = [(n, a) for n, a in arrays.items() if a is not None]
+def _pairs(arrays) -> Iterable[tuple[str, Array | None]]:
+    return arrays.items() if isinstance(arrays, dict) else arrays
+
+
+def same_device(arrays) -> int:
+    """The common device of the given arrays (a dict, or (name, array) pairs); ValueError
+    naming two that differ."""
+    present = [(n, a) for n, a in _pairs(arrays) if a is not None]
     first_name, first = present[0]
     for n, a in present[1:]:
         if a.device != first.device:
@@ -93,9 +100,9 @@ def same_dtype(a: Array | None, name: str, ref: Array, ref_name: str) -> None:
         )
 
 
-def writable(a: Array | None, name: str, inputs: dict[str, Array | None]) -> None:
+def writable(a: Array | None, name: str, inputs) -> None:
     """An output buffer must be writable, have no element twice, and share no memory with the
-    inputs."""
+    inputs (a dict, or (name, array) pairs)."""
     if a is None:
         return
     if a.kind == "jax":
@@ -109,7 +116,7 @@ def writable(a: Array | None, name: str, inputs: dict[str, Array | None]) -> Non
             f"{name} must not have overlapping elements; got shape {a.shape} strides {a.strides}"
         )
     lo, hi = a.span()
-    for n, other in inputs.items():
+    for n, other in _pairs(inputs):
         if other is None or other.device != a.device:
             continue
         olo, ohi = other.span()
@@ -140,10 +147,22 @@ def _may_share(a: Array, b: Array) -> bool:
     return reachable(offset, 0)
 
 
+_overlapping: dict[tuple, bool] = {}
+
+
 def _self_overlapping(a: Array) -> bool:
-    if any(n == 0 for n in a.shape):
+    """Whether two elements of ``a`` share memory (by its shape and strides; memoised)."""
+    key = (a.shape, a.strides)
+    found = _overlapping.get(key)
+    if found is None:
+        found = remember(_overlapping, key, _layout_overlaps(a.shape, a.strides))
+    return found
+
+
+def _layout_overlaps(shape, strides) -> bool:
+    if any(n == 0 for n in shape):
         return False
-    dims = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    dims = sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1)
     extent = 1
     for stride, n in dims:
         if stride < extent:

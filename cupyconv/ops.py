@@ -123,19 +123,11 @@ def _forward_call(
     call.out = out = v.optional(out, "out", 3)
     v.shape(out, "out", x.shape, "(batch, dim, seqlen) of x")
     v.same_dtype(out, "out", x, "x")
-    arrays = {
-        "x": x,
-        "weight": weight,
-        "bias": bias,
-        "seq_idx": seq_idx,
-        "initial_states": init,
-        "final_states_out": final,
-        "out": out,
-    }
-    call.device = v.same_device(arrays)
-    inputs = {k: arrays[k] for k in ("x", "weight", "bias", "seq_idx", "initial_states")}
+    inputs = (("x", x), ("weight", weight), ("bias", bias), ("seq_idx", seq_idx))
+    inputs += (("initial_states", init),)
+    call.device = v.same_device(inputs + (("final_states_out", final), ("out", out)))
     v.writable(out, "out", inputs)
-    v.writable(final, "final_states_out", {**inputs, "out": out})
+    v.writable(final, "final_states_out", inputs + (("out", out),))
     return call
 
 
