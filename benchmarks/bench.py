@@ -19,6 +19,9 @@ Providers, all in the same run:
 - ``copy``: ``dst.copy_(src)`` of two dense buffers of x's dtype and numel, the physical bar: a
   forward pass has to read x and write out, which is the same traffic as this copy.
 - ``cupyconv``: ``cupyconv.causal_conv1d_fn(x, weight, bias, activation=...)``.
+- ``cupyconv graph``: the same call captured once in a torch CUDA graph and replayed: the GPU
+  time alone, where the plain row may also count the host path (about 45 us per call), which
+  dominates on small problems.
 - ``torch``: ``F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=width-1,
   groups=dim)[..., :seqlen])`` (no SiLU when the activation is None), no TF32.
 - ``causal_conv1d``: the reference library, when importable and the case is within what it
@@ -47,7 +50,7 @@ CHECK_BUDGET = 1 << 27
 #: Most calls in one timed loop.
 MAX_CALLS = 10_000
 
-PROVIDERS = ("copy", "cupyconv", "torch", "causal_conv1d")
+PROVIDERS = ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d")
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -208,12 +211,13 @@ def make_providers(case: Case, x, weight, bias, reference_fn):
         out = out[..., : case.seqlen]
         return out if case.activation is None else F.silu(out)
 
+    def ours():
+        return cupyconv.causal_conv1d_fn(x, weight, bias, activation=case.activation)
+
     providers = {
         "copy": (lambda: dst.copy_(src), None),
-        "cupyconv": (
-            lambda: cupyconv.causal_conv1d_fn(x, weight, bias, activation=case.activation),
-            None,
-        ),
+        "cupyconv": (ours, None),
+        "cupyconv graph": graphed(ours),
         "torch": (torch_conv, None),
     }
     if reference_fn is not None:
@@ -225,6 +229,32 @@ def make_providers(case: Case, x, weight, bias, reference_fn):
         else:
             providers["causal_conv1d"] = (None, f"width {case.width} outside 2..4")
     return providers
+
+
+def graphed(fn):
+    """(replay, None): ``fn`` captured once in a torch CUDA graph, ``replay`` relaunching it and
+    returning its output (the GPU time without the host path); (None, reason) when the capture
+    fails."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and load the kernels, warm the caching allocator
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
+        return None, f"capture failed: {error_text(exc)}"
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay, None
 
 
 def new_row(case: Case, provider: str) -> dict:
