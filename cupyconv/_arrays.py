@@ -304,7 +304,7 @@ def empty(like: Array, shape, strides, dtype) -> Array:
         t = torch.empty_strided(
             shape, strides, dtype=_numpy_to_torch_dtype(torch, dtype), device=like.obj.device
         )
-        return Array(t, "torch", like.device, t.data_ptr(), tuple(shape), tuple(strides), dtype)
+        return _describe_torch(torch, t, "out")
     import cupy
 
     dtype = np.dtype(dtype)
@@ -315,14 +315,9 @@ def empty(like: Array, shape, strides, dtype) -> Array:
     return _describe_cupy(a, a, "cupy")
 
 
-_numpy_to_torch: dict = {}
-
-
 def _numpy_to_torch_dtype(torch, dtype):
-    found = _numpy_to_torch.get(dtype)
-    if found is None:
-        found = _numpy_to_torch[dtype] = getattr(torch, np.dtype(dtype).name)
-    return found
+    name = np.dtype(dtype).name
+    return getattr(torch, name)
 
 
 def result(like: Array, arr: Array):

@@ -75,14 +75,9 @@ def width(weight: Array) -> int:
     return k
 
 
-def _pairs(arrays) -> Iterable[tuple[str, Array | None]]:
-    return arrays.items() if isinstance(arrays, dict) else arrays
-
-
-def same_device(arrays) -> int:
-    """The common device of the given arrays (a dict, or (name, array) pairs); ValueError
-    naming two that differ."""
-    present = [(n, a) for n, a in _pairs(arrays) if a is not None]
+def same_device(arrays: Iterable[tuple[str, Array | None]]) -> int:
+    """The common device of the given (name, array) pairs; ValueError naming two that differ."""
+    present = [(n, a) for n, a in arrays if a is not None]
     first_name, first = present[0]
     for n, a in present[1:]:
         if a.device != first.device:
@@ -100,9 +95,9 @@ def same_dtype(a: Array | None, name: str, ref: Array, ref_name: str) -> None:
         )
 
 
-def writable(a: Array | None, name: str, inputs) -> None:
+def writable(a: Array | None, name: str, inputs: Iterable[tuple[str, Array | None]]) -> None:
     """An output buffer must be writable, have no element twice, and share no memory with the
-    inputs (a dict, or (name, array) pairs)."""
+    inputs, given as (name, array) pairs."""
     if a is None:
         return
     if a.kind == "jax":
@@ -116,7 +111,7 @@ def writable(a: Array | None, name: str, inputs) -> None:
             f"{name} must not have overlapping elements; got shape {a.shape} strides {a.strides}"
         )
     lo, hi = a.span()
-    for n, other in _pairs(inputs):
+    for n, other in inputs:
         if other is None or other.device != a.device:
             continue
         olo, ohi = other.span()

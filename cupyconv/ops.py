@@ -320,18 +320,10 @@ def causal_conv1d_bwd(
     dxa = v.optional(dx, "dx", 3)
     v.shape(dxa, "dx", xa.shape, "(batch, dim, seqlen) of x")
     v.same_dtype(dxa, "dx", xa, "x")
-    arrays = {
-        "x": xa,
-        "weight": w,
-        "bias": b,
-        "dout": g,
-        "seq_idx": s,
-        "initial_states": init,
-        "dfinal_states": dfinal,
-        "dx": dxa,
-    }
-    v.same_device(arrays)
-    v.writable(dxa, "dx", {k: a for k, a in arrays.items() if k != "dx"})
+    inputs = (("x", xa), ("weight", w), ("bias", b), ("dout", g), ("seq_idx", s))
+    inputs += (("initial_states", init), ("dfinal_states", dfinal))
+    v.same_device(inputs + (("dx", dxa),))
+    v.writable(dxa, "dx", inputs)
     if xa.on_gpu:
         raise _gpu_pending("causal_conv1d_bwd")
     dx64, dw64, db64, dinit64 = reference.causal_conv1d_bwd(
@@ -397,16 +389,9 @@ def causal_conv1d_update(
             f"conv_state.shape[2] (state_len) must be at least width - 1 = {width - 1}; "
             f"got {state.shape[2]}"
         )
-    arrays = {
-        "x": xa,
-        "conv_state": state,
-        "weight": w,
-        "bias": b,
-        "cache_seqlens": lens,
-        "conv_state_indices": idx,
-    }
-    v.same_device(arrays)
-    v.writable(state, "conv_state", {k: a for k, a in arrays.items() if k != "conv_state"})
+    others = (("weight", w), ("bias", b), ("cache_seqlens", lens), ("conv_state_indices", idx))
+    v.same_device((("x", xa), ("conv_state", state)) + others)
+    v.writable(state, "conv_state", (("x", xa),) + others)
     if xa.on_gpu:
         raise _gpu_pending("causal_conv1d_update")
     x_host = _host(xa)
@@ -443,7 +428,7 @@ def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
         raise ValueError(f"state_len must be >= 0; got {state_len}")
     if cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 0; got {cu.shape}")
-    v.same_device({"x": xa, "cu_seqlens": cu})
+    v.same_device((("x", xa), ("cu_seqlens", cu)))
     if xa.on_gpu:
         raise _gpu_pending("causal_conv1d_varlen_states")
     states64 = reference.causal_conv1d_varlen_states(_host(xa), _host(cu), int(state_len))
