@@ -24,7 +24,9 @@ C_TYPES = {
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int32": 4, "int64": 5}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-TC_MAX = 17  # fwd_tc<T, K, SEQ, ...> up to this width; wider time-contiguous input: fwd_wide
+TC_MAX = 17  # fwd_tc<T, K, SEQ, ...> up to this width; wider time-contiguous input: fwd_mma
+MMA_MAX = 129  # fwd_mma<T, KS> (16-bit x, tensor cores) up to this width; wider: fwd_wide
+MMA_SPAN = 1024  # fwd_mma: outputs per tile (NB in fwd.cu)
 CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
 TC_STAGES, TC_MAX_VECTORS = 2, 4  # fwd_tc: spans staged per warp, most 16-byte vectors per lane
 CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
@@ -41,17 +43,37 @@ def forward_kernels(
     dtype: str, width: int, seq: bool, vectors: int = TC_MAX_VECTORS
 ) -> dict[str, str]:
     """The dispatch table: the forward template instance for each layout, for x of ``dtype``
-    (``vectors``: 16-byte vectors per lane in a span of fwd_tc)."""
+    (``vectors``: 16-byte vectors per lane in a span of fwd_tc). "time" is for time-contiguous
+    x; "time_mma" replaces it above TC_MAX where tensor cores are exact (``tensor_cores``)."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     tc = f"fwd_tc<{t}, {width}, {s}, {TC_STAGES}, {vectors}>"
     cl = f"fwd_cl<{t}, {width}, {s}, {CL_STAGES}, {CL_ROWS}>"
-    return {
+    table = {
         "time": tc if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
         "channel": cl if width <= CL_MAX else f"fwd_general<{t}>",
         "general": f"fwd_general<{t}>",
         "final_states": f"fwd_final_states<{t}>",
     }
+    if TC_MAX < width <= MMA_MAX and dtype in ("bfloat16", "float16") and not seq:
+        table["time_mma"] = f"fwd_mma<{t}, {_mma_steps(width)}>"
+    return table
+
+
+def _mma_steps(width: int) -> int:
+    """KS of fwd_mma: k-steps of 16 inputs, D = 16 (KS - 1) >= width - 1."""
+    return -(-(width - 1) // 16) + 1
+
+
+def tensor_cores(x: Array, weight: Array, initial_states: Array | None) -> bool:
+    """Whether fwd_mma computes exactly what the float32 kernels do: bfloat16 x (any weights,
+    split into two bfloat16 parts), or float16 x and weights; initial_states (staged with x)
+    of x's dtype."""
+    if x.dtype_name == "bfloat16":
+        ok = True
+    else:
+        ok = x.dtype_name == "float16" and weight.dtype_name == "float16"
+    return ok and (initial_states is None or initial_states.dtype_name == x.dtype_name)
 
 
 def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> list[str]:
@@ -98,19 +120,24 @@ class Launch:
 _plans: dict[tuple, Launch] = {}
 
 
-def plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) -> Launch:
-    """Pick the kernel and launch shape from the strides of x (and out); memoised per layout."""
+def plan_forward(
+    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: bool = False
+) -> Launch:
+    """Pick the kernel and launch shape from the strides of x (and out); memoised per layout.
+    ``mma``: tensor cores are exact for these operands (``tensor_cores``)."""
     key = (
-        device, x.dtype_name, width, has_seq, x.shape, x.strides, x.ptr % 16, out.strides,
+        device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
         out.ptr % 16,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = remember(_plans, key, _plan_forward(x, out, width, has_seq, device))
+        plan = remember(_plans, key, _plan_forward(x, out, width, has_seq, device, mma))
     return plan
 
 
-def _plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) -> Launch:
+def _plan_forward(
+    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: bool
+) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
     short = _TC_VECTOR_CHOICES[0]  # fwd_tc spans of 32 x nv vectors: short rows fit the shorter
@@ -120,6 +147,8 @@ def _plan_forward(x: Array, out: Array, width: int, has_seq: bool, device: int) 
     if x_l == 1 or (seqlen == 1 and x_c != 1):
         if width <= TC_MAX:
             return _plan_tc(x, out, width, nv, table["time"], itemsize, device)
+        if mma and "time_mma" in table:
+            return _plan_mma(x, out, width, table["time_mma"], device)
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
     if x_c == 1 and width <= CL_MAX:
         return _plan_cl(x, out, table["channel"], itemsize, device)
@@ -144,6 +173,20 @@ def _plan_tc(x, out, width, nv, name, itemsize, device) -> Launch:
     spans = batch * dim * -(-seqlen // (32 * nv * vn))
     grid = min(-(-spans // warps), resident_blocks(device, name, STAGED_THREADS, smem))
     x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
+    return Launch(name, grid, (STAGED_THREADS, 1), smem, 0, x_vec, out_vec)
+
+
+def _plan_mma(x, out, width, name, device) -> Launch:
+    batch, dim, seqlen = x.shape
+    ks = _mma_steps(width)
+    d = 16 * (ks - 1)
+    window, params, wpad = (d + MMA_SPAN) // 8, (d + 3) // 2, (2 * d + 32) // 4  # WV, PW, WPAD
+    warp_vecs = 2 * (window + params) + wpad + MMA_SPAN * 2 // 16  # fwd.cu: WARP_VECS
+    warps = STAGED_THREADS // 32
+    smem = warps * warp_vecs * 16
+    tiles = batch * dim * -(-seqlen // MMA_SPAN)
+    grid = min(-(-tiles // warps), resident_blocks(device, name, STAGED_THREADS, smem))
+    x_vec, out_vec = _time_vec(x, 2), _time_vec(out, 2)
     return Launch(name, grid, (STAGED_THREADS, 1), smem, 0, x_vec, out_vec)
 
 

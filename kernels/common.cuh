@@ -89,6 +89,39 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// q = a / d, r = a % d for non-negative a, d; 32-bit arithmetic when both fit.
+__device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
+    if (((a | d) >> 31) == 0) {
+        const unsigned ua = (unsigned)a, ud = (unsigned)d;
+        q = ua / ud;
+        r = ua - (unsigned)q * ud;
+    } else {
+        q = a / d;
+        r = a - q * d;
+    }
+}
+
+// Work item i of a kernel as three digits (hi, mid, lo) in the mixed radix (n_mid, n_lo), lo
+// fastest. For items handed out grid-stride (warp w of n_warps takes items w, w + n_warps,
+// ...): a warp steps from item to item by adding the digits of n_warps, without a division.
+struct Digits {
+    int64 lo, mid, hi;
+};
+__device__ __forceinline__ Digits to_digits(int64 i, int64 n_lo, int64 n_mid) {
+    Digits d;
+    int64 q;
+    divmod(i, n_lo, q, d.lo);
+    divmod(q, n_mid, d.hi, d.mid);
+    return d;
+}
+// u += step, where step holds the digits of a number (each digit below its radix).
+__device__ __forceinline__ void advance(Digits& u, const Digits& step, int64 n_lo, int64 n_mid) {
+    u.lo += step.lo;
+    if (u.lo >= n_lo) { u.lo -= n_lo; ++u.mid; }
+    u.mid += step.mid;
+    if (u.mid >= n_mid) { u.mid -= n_mid; ++u.hi; }
+    u.hi += step.hi;
+}
 // [first, last): this warp's share of n items cut into contiguous runs, equal to within one,
 // over the warps of the grid.
 __device__ __forceinline__ void warp_share(int64 n, int64& first, int64& last) {
@@ -98,6 +131,9 @@ __device__ __forceinline__ void warp_share(int64 n, int64& first, int64& last) {
     first = warp * per + min(warp, extra);
     last = first + per + (warp < extra);
 }
+// This warp's index in the grid and the number of warps in it.
+__device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
+__device__ __forceinline__ int64 grid_warps() { return (int64)gridDim.x * (blockDim.x / 32); }
 
 // Stages element i of the float array p of run-time dtype `code` into *dst (8-byte aligned)
 // with cp.async: the 8 bytes of a float64, else the aligned 4 bytes that hold the element.

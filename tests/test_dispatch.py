@@ -198,3 +198,24 @@ def test_channel_runs_fill_the_device(launches):
     assert run % _dispatch.CL_ROWS == 0
     tasks = 8 * -(-5120 // 128) * -(-2048 // run)
     assert tasks <= 132 * 8 * 4 < tasks + 8 * 40  # fake device: 132 SMs x 8 blocks x 4 warps
+
+
+@pytest.mark.parametrize(
+    "xdtype,wdtype,init,width,name",
+    [
+        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5>"),
+        (np.float16, np.float32, None, 64, "fwd_wide<__half, false>"),  # float16 x: same weights
+        (np.float16, np.float16, np.float32, 64, "fwd_wide<__half, false>"),  # wider states
+        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3>"),
+        (np.float16, np.float16, None, 129, "fwd_mma<__half, 9>"),
+        (np.float16, np.float16, None, 130, "fwd_wide<__half, false>"),
+        (np.float32, np.float32, None, 64, "fwd_wide<float, false>"),
+    ],
+)
+def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name):
+    x = FakeCudaArray((2, 8, 300), dtype=xdtype)
+    states = None if init is None else FakeCudaArray((2, 8, width - 1), dtype=init)
+    cupyconv.causal_conv1d_fn(x, FakeCudaArray((8, width), dtype=wdtype), initial_states=states)
+    ((launched, plan, _),) = launches
+    assert launched == name
+    assert plan.smem > 0 if launched.startswith("fwd_mma") else True

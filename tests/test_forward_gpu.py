@@ -249,6 +249,27 @@ def test_dtype_pairs(dtype, wdtype, layout):
         )
 
 
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "float16"),
+        ("float16", "float16"),
+    ],
+)
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+def test_tensor_core_widths(dtype, wdtype, layout):
+    """Widths 18 to 129 of 16-bit x run on tensor cores (fwd_mma): weights split in two parts
+    when wider than x, row starts with and without states, partial and one-step tiles."""
+    cases = itertools.product((18, 33, 64, 65, 100, 129), ((2, 5, 300), (1, 3, 2048), (2, 2, 1)))
+    for i, (width, (b, c, length)) in enumerate(cases):
+        run_case(
+            b, c, length, width, dtype, wdtype, layout=layout, init=i % 2 == 0, final=i % 3 == 0,
+            seed=i,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_short_rows_with_states(layout):
     for seqlen, width in ((1, 4), (2, 4), (3, 8), (1, 33)):
