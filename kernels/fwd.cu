@@ -811,7 +811,7 @@ __global__ void __launch_bounds__(128, KS <= 6 ? 5 : 4) fwd_mma(FWD_SIGNATURE) {
                 const float* q = wl + 16 * s + 2 * (r >> 1) - (r & 1);
                 const float v0 = q[0], v1 = q[1];
                 ahi[s][r] = pack2<T>(v0, v1);
-                alo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));
+                if (split) alo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));
             }
         }
         __syncwarp();  // wpad is free again
