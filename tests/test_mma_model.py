@@ -68,13 +68,19 @@ def model(x, w, K):
         for s in range(KS):
             # lane (g, tg): the 8-byte word of inputs 4 tg .. 4 tg + 3 of segment g + s
             b = np.array(
-                [[xw(16 * ((lane >> 2) + s) + 4 * (lane & 3) + e) for e in range(4)] for lane in range(32)]
+                [
+                    [xw(16 * ((lane >> 2) + s) + 4 * (lane & 3) + e) for e in range(4)]
+                    for lane in range(32)
+                ]
             )
             acc = mma(A[s], b, acc)
         for lane in range(32):
             g, tg = lane >> 2, lane & 3
             # c0, c2: outputs 32 tg + 2 g, + 1; c1, c3: outputs 32 tg + 16 + 2 g, + 1
-            for v, o in zip(acc[lane], (32 * tg + 2 * g, 32 * tg + 16 + 2 * g, 32 * tg + 2 * g + 1, 32 * tg + 17 + 2 * g)):
+            for v, o in zip(
+                acc[lane],
+                (32 * tg + 2 * g, 32 * tg + 16 + 2 * g, 32 * tg + 2 * g + 1, 32 * tg + 17 + 2 * g),
+            ):
                 if T0 + o < L:
                     out[T0 + o] = v
     return out
