@@ -34,6 +34,7 @@ STAGED_THREADS = 128  # fwd_tc and fwd_cl blocks (4 warps, each with its own sta
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TILE_THREADS = 128  # fwd_wide blocks
 GENERAL_THREADS = 256
+GENERAL_RUN = 8  # fwd_general: outputs per thread (R in fwd.cu)
 SMEM_BUDGET = 48 * 1024
 MAX_GRID = 2**31 - 1
 WIDTHS = range(1, 257)
@@ -152,8 +153,8 @@ def _plan_forward(
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
     if x_c == 1 and width <= CL_MAX:
         return _plan_cl(x, out, table["channel"], itemsize, device)
-    total = batch * dim * seqlen
-    grid = min(-(-total // GENERAL_THREADS), MAX_GRID)
+    runs = batch * dim * -(-seqlen // GENERAL_RUN)
+    grid = min(-(-runs // GENERAL_THREADS), MAX_GRID)
     channel_fastest = int(abs(x_c) < abs(x_l))
     return Launch(table["general"], grid, (GENERAL_THREADS, 1), 0, channel_fastest, False, False)
 

@@ -21,7 +21,7 @@
 //                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp walks a
 //                       run of time over a strip of 32 channel vectors, U rows per cp.async
 //                       stage, with the last K-1 rows kept in registers.
-//   fwd_general<T>      any strides, any width: one thread per output.
+//   fwd_general<T>      any strides, any width: a run of 8 outputs per thread.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
 // Every kernel loops over its work (the staged kernels over an equal share of it per warp),
 // so no grid dimension limits the shape, and every offset is 64-bit. x is read-only; out is
@@ -92,35 +92,67 @@ __device__ __forceinline__ A finish(A acc, bool padding, int silu_act) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// fwd_general: one thread per output, any strides, run-time width.
-// tile_a = 1 walks channels fastest (for channel-contiguous data), else time fastest.
+// fwd_general: any strides, run-time width. A thread computes a run of R consecutive outputs
+// of one row: each tap is loaded once per run, and the inputs slide through a window of R
+// registers (one new input per tap). tile_a = 1 numbers the runs channels fastest (for
+// channel-contiguous data: a warp's loads are coalesced), else time fastest.
 template <typename T>
 __global__ void fwd_general(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
-    const int64 total = batch * dim * seqlen;
+    constexpr int R = 8;
+    const int64 n_runs = (seqlen + R - 1) / R;
+    const int64 total = batch * dim * n_runs;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
          i += (int64)gridDim.x * blockDim.x) {
-        int64 b, c, t;
+        int64 b, c, run;
         if (tile_a) {
             c = i % dim;
-            t = (i / dim) % seqlen;
-            b = i / (dim * seqlen);
+            run = (i / dim) % n_runs;
+            b = i / (dim * n_runs);
         } else {
-            t = i % seqlen;
-            c = (i / seqlen) % dim;
-            b = i / (dim * seqlen);
+            run = i % n_runs;
+            c = (i / n_runs) % dim;
+            b = i / (dim * n_runs);
         }
-        const int64 sid = seq_idx ? SEQ_ID(b, t) : 0;
-        A acc = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
+        const int64 t0 = run * R;
+        // Input (and segment id) at position s of the row: zero past the end.
+        auto input = [&](int64 s) { return s < seqlen ? INPUT_AT(A, b, c, s) : A(0); };
+        auto seg = [&](int64 s) { return s < seqlen ? SEQ_ID(b, s) : (int64)-1; };
+        A acc[R], win[R];
+        int64 sid[R], ids[R];
+        const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {  // window of tap 0: positions t0 + r - (K-1)
+            acc[r] = bias_c;
+            win[r] = input(t0 + r - (width - 1));
+            if (seq_idx) {
+                sid[r] = seg(t0 + r);
+                ids[r] = seg(t0 + r - (width - 1));
+            }
+        }
+        #pragma unroll 1
         for (int k = 0; k < width; ++k) {
-            const int64 s = t - (width - 1) + k;
-            if (seq_idx && SEQ_ID(b, s) != sid) continue;
-            acc += load_as<A>(weight, weight_dtype, c * weight_c_stride + k * weight_width_stride) *
-                   INPUT_AT(A, b, c, s);
+            const A wk = load_as<A>(weight, weight_dtype, c * weight_c_stride + k * weight_width_stride);
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (!seq_idx || ids[r] == sid[r]) acc[r] += wk * win[r];
+            const int64 s_next = t0 + R - (width - 1) + k;  // enters the window for tap k + 1
+            #pragma unroll
+            for (int r = 0; r + 1 < R; ++r) {
+                win[r] = win[r + 1];
+                if (seq_idx) ids[r] = ids[r + 1];
+            }
+            if (k + 1 < width) {
+                win[R - 1] = input(s_next);
+                if (seq_idx) ids[R - 1] = seg(s_next);
+            }
         }
-        out[b * out_batch_stride + c * out_c_stride + t * out_l_stride] =
-            from_acc<T>(finish(acc, sid < 0, silu_act));
+        T* const orow = out + b * out_batch_stride + c * out_c_stride;
+        #pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (t0 + r < seqlen)
+                orow[(t0 + r) * out_l_stride] = from_acc<T>(finish(acc[r], seq_idx && sid[r] < 0, silu_act));
     }
 }
 
