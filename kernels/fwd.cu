@@ -23,8 +23,8 @@
 //                       stage, with the last K-1 rows kept in registers.
 //   fwd_general<T>      any strides, any width: a run of 8 outputs per thread.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
-// Every kernel loops over its work (the staged kernels over an equal share of it per warp),
-// so no grid dimension limits the shape, and every offset is 64-bit. x is read-only; out is
+// Every kernel loops over its work (fwd_tc and fwd_cl over an equal share of it per warp,
+// fwd_mma grid-stride), so no grid dimension limits the shape, and every offset is 64-bit. x is read-only; out is
 // written exactly once per element.
 #include "common.cuh"
 
