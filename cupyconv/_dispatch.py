@@ -122,10 +122,17 @@ _plans: dict[tuple, Launch] = {}
 
 
 def plan_forward(
-    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: bool = False
+    x: Array,
+    out: Array,
+    weight: Array,
+    initial_states: Array | None,
+    width: int,
+    has_seq: bool,
+    device: int,
 ) -> Launch:
-    """Pick the kernel and launch shape from the strides of x (and out); memoised per layout.
-    ``mma``: tensor cores are exact for these operands (``tensor_cores``)."""
+    """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
+    whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
+    mma = tensor_cores(x, weight, initial_states)
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
         out.ptr % 16,

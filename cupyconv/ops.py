@@ -13,7 +13,7 @@ import numpy as np
 from . import _validate as v
 from . import reference
 from ._arrays import Array, dense_strides, empty, result, stream_of, stride_order, strides_like
-from ._dispatch import forward_args, launch, plan_final_states, plan_forward, tensor_cores
+from ._dispatch import forward_args, launch, plan_final_states, plan_forward
 
 __all__ = [
     "causal_conv1d_fn",
@@ -153,8 +153,10 @@ def _forward_gpu(call: _ForwardCall):
         launch("fwd.cu", plan, call.device, args, stream)
 
     if batch * dim * seqlen > 0:
-        mma = tensor_cores(x, call.weight, call.initial_states)
-        run(plan_forward(x, out, width, seq_idx is not None, call.device, mma), None)
+        plan = plan_forward(
+            x, out, call.weight, call.initial_states, width, seq_idx is not None, call.device
+        )
+        run(plan, None)
     if final is not None and batch * dim * (width - 1) > 0:
         run(plan_final_states(x, width), final)
     result_out = _returned(x, out, call.out)
@@ -202,10 +204,11 @@ def warmup(
         plan_forward(
             call.x,
             target,
+            call.weight,
+            call.initial_states,
             call.width,
             call.seq_idx is not None,
             call.device,
-            tensor_cores(call.x, call.weight, call.initial_states),
         ).name,
         call.device,
     )

@@ -89,6 +89,10 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// This warp's index in the grid and the number of warps in it.
+__device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
+__device__ __forceinline__ int64 grid_warps() { return (int64)gridDim.x * (blockDim.x / 32); }
+
 // q = a / d, r = a % d for non-negative a, d; 32-bit arithmetic when both fit.
 __device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
     if (((a | d) >> 31) == 0) {
@@ -125,15 +129,11 @@ __device__ __forceinline__ void advance(Digits& u, const Digits& step, int64 n_l
 // [first, last): this warp's share of n items cut into contiguous runs, equal to within one,
 // over the warps of the grid.
 __device__ __forceinline__ void warp_share(int64 n, int64& first, int64& last) {
-    const int64 n_warps = (int64)gridDim.x * (blockDim.x / 32);
-    const int64 warp = blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32;
+    const int64 n_warps = grid_warps(), warp = grid_warp();
     const int64 per = n / n_warps, extra = n % n_warps;
     first = warp * per + min(warp, extra);
     last = first + per + (warp < extra);
 }
-// This warp's index in the grid and the number of warps in it.
-__device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
-__device__ __forceinline__ int64 grid_warps() { return (int64)gridDim.x * (blockDim.x / 32); }
 
 // Stages element i of the float array p of run-time dtype `code` into *dst (8-byte aligned)
 // with cp.async: the 8 bytes of a float64, else the aligned 4 bytes that hold the element.
