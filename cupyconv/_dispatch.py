@@ -30,6 +30,7 @@ MMA_SPAN = 1024  # fwd_mma: outputs per tile (NB in fwd.cu)
 CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
 TC_STAGES, TC_MAX_VECTORS = 2, 4  # fwd_tc: spans staged per warp, most 16-byte vectors per lane
 CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
+CL_WIDE_STEPS = 256  # fwd_cl_wide: time steps per tile (tile_a; 4 warps x a multiple of 8)
 STAGED_THREADS = 128  # fwd_tc and fwd_cl blocks (4 warps, each with its own stages)
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TILE_THREADS = 128  # fwd_wide blocks
@@ -52,7 +53,7 @@ def forward_kernels(
     cl = f"fwd_cl<{t}, {width}, {s}, {CL_STAGES}, {CL_ROWS}>"
     table = {
         "time": tc if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
-        "channel": cl if width <= CL_MAX else f"fwd_general<{t}>",
+        "channel": cl if width <= CL_MAX else f"fwd_general<{t}>" if seq else f"fwd_cl_wide<{t}>",
         "general": f"fwd_general<{t}>",
         "final_states": f"fwd_final_states<{t}>",
     }
@@ -160,6 +161,8 @@ def _plan_forward(
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
     if x_c == 1 and width <= CL_MAX:
         return _plan_cl(x, out, table["channel"], itemsize, device)
+    if x_c == 1 and not has_seq:
+        return _plan_cl_wide(x, width, table["channel"], itemsize, device)
     runs = batch * dim * -(-seqlen // GENERAL_RUN)
     grid = min(-(-runs // GENERAL_THREADS), MAX_GRID)
     channel_fastest = int(abs(x_c) < abs(x_l))
@@ -234,6 +237,16 @@ def _plan_cl(x, out, name, itemsize, device) -> Launch:
     x_vec = _aligned(x, itemsize, _outer_strides(x, (0, 2)), nbytes)
     out_vec = out.strides[1] == 1 and _aligned(out, itemsize, _outer_strides(out, (0, 2)), nbytes)
     return Launch(name, grid, (STAGED_THREADS, 1), smem, run, x_vec, out_vec)
+
+
+def _plan_cl_wide(x, width, name, itemsize, device) -> Launch:
+    batch, dim, seqlen = x.shape
+    acc = 8 if itemsize == 8 else 4
+    tt = CL_WIDE_STEPS
+    smem = ((tt + width - 1) + width) * 32 * acc  # input rows and weights, as A
+    tiles = batch * -(-seqlen // tt) * -(-dim // 32)
+    grid = min(tiles, resident_blocks(device, name, STAGED_THREADS, smem))
+    return Launch(name, grid, (STAGED_THREADS, 1), smem, tt, False, False)
 
 
 def plan_final_states(x: Array, width: int) -> Launch:

@@ -21,6 +21,9 @@
 //                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp walks a
 //                       run of time over a strip of 32 channel vectors, U rows per cp.async
 //                       stage, with the last K-1 rows kept in registers.
+//   fwd_cl_wide<T>      channel-contiguous x, any width (run-time; used above 8), no seq_idx: a
+//                       block stages a tile of time x 32 channels (and their weights) in
+//                       shared memory; lanes compute adjacent channels, 8 outputs at a time.
 //   fwd_general<T>      any strides, any width: a run of 8 outputs per thread.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
 // Every kernel loops over its work (fwd_tc and fwd_cl over an equal share of it per warp,
@@ -705,6 +708,76 @@ __global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
         next(computed);
         __syncwarp();  // stage st is free for the next issue
         st = st + 1 == STAGES ? 0 : st + 1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fwd_cl_wide: channel-contiguous x, any width (run-time; used above 8), no seq_idx. A block
+// computes a tile of 32 channels x TT time steps: it stages the tile's TT + K - 1 input rows
+// (zeros or initial_states before the row, zeros past it) and the 32 channels' weights in
+// shared memory as A, then lane l of warp w computes channel l over time steps
+// w RW .. (w + 1) RW of the tile, R at a time: each tap is read once per R outputs and the
+// inputs slide through R registers. Lanes read adjacent channels: no bank conflict.
+template <typename T>
+__global__ void __launch_bounds__(128) fwd_cl_wide(FWD_SIGNATURE) {
+    FWD_UNPACK;
+    using A = typename AccOf<T>::type;
+    constexpr int CW = 32;              // channels per tile
+    constexpr int R = 8;                // outputs per pass
+    const int RW = tile_a / 4;          // time steps per warp (tile_a = TT, 4 warps)
+    const int rows = tile_a + width - 1;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* const xs = reinterpret_cast<A*>(smem_raw);  // [rows][CW]
+    A* const ws = xs + rows * CW;                  // [width][CW]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int64 strips = (dim + CW - 1) / CW, chunks = (seqlen + tile_a - 1) / tile_a;
+    const int64 n_tiles = batch * chunks * strips;
+    for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        int64 bc, strip, b, chunk;
+        divmod(tile, strips, bc, strip);
+        divmod(bc, chunks, b, chunk);
+        const int64 c0 = strip * CW, t0 = chunk * tile_a;
+        __syncthreads();  // the previous tile's readers are done
+        for (int i = threadIdx.x; i < rows * CW; i += blockDim.x) {
+            const int r = i / CW, ch = i % CW;
+            const int64 c = c0 + ch, p = t0 - (width - 1) + r;
+            xs[i] = c < dim && p < seqlen ? INPUT_AT(A, b, c, p) : A(0);
+        }
+        for (int i = threadIdx.x; i < width * CW; i += blockDim.x) {
+            const int k = i / CW;
+            const int64 c = c0 + i % CW;
+            ws[i] = c < dim ? load_as<A>(weight, weight_dtype, c * weight_c_stride + k * weight_width_stride) : A(0);
+        }
+        __syncthreads();
+        const int64 c = c0 + lane;
+        const A bias_c = bias && c < dim ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
+        T* const ocol = out + b * out_batch_stride + c * out_c_stride;
+        #pragma unroll 1
+        for (int o = warp * RW; o < (warp + 1) * RW && t0 + o < seqlen; o += R) {
+            // Output o + r of the tile reads rows o + r + k (k < width).
+            const A* xr = xs + o * CW + lane;
+            A acc[R], win[R];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[r] = bias_c;
+                win[r] = xr[r * CW];
+            }
+            #pragma unroll 4
+            for (int k = 0; k < width; ++k) {
+                const A wk = ws[k * CW + lane];
+                #pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += wk * win[r];
+                #pragma unroll
+                for (int r = 0; r + 1 < R; ++r) win[r] = win[r + 1];
+                if (k + 1 < width) win[R - 1] = xr[(R + k) * CW];
+            }
+            if (c < dim) {
+                #pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (t0 + o + r < seqlen)
+                        ocol[(t0 + o + r) * out_l_stride] = from_acc<T>(finish(acc[r], false, silu_act));
+            }
+        }
     }
 }
 

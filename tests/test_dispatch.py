@@ -82,7 +82,8 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CF, 17, "fwd_tc<float, 17, false, 2, 4>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
         pytest.param(CL, 8, "fwd_cl<float, 8, false, 2, 8>", id="cl-width8"),
-        pytest.param(CL, 9, "fwd_general<float>", id="cl-width9"),
+        pytest.param(CL, 9, "fwd_cl_wide<float>", id="cl-width9"),
+        pytest.param(CL, 256, "fwd_cl_wide<float>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
             id="time-stride2",
@@ -198,6 +199,14 @@ def test_channel_runs_fill_the_device(launches):
     assert run % _dispatch.CL_ROWS == 0
     tasks = 8 * -(-5120 // 128) * -(-2048 // run)
     assert tasks <= 132 * 8 * 4 < tasks + 8 * 40  # fake device: 132 SMs x 8 blocks x 4 warps
+
+
+def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches):
+    x = CL()
+    seq = FakeCudaArray((2, 300), dtype=np.int32)
+    cupyconv.causal_conv1d_fn(x, weight(64, 9), seq_idx=seq)
+    ((launched, plan, params),) = launches
+    assert launched == "fwd_general<float>"
 
 
 @pytest.mark.parametrize(

@@ -270,6 +270,27 @@ def test_tensor_core_widths(dtype, wdtype, layout):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float16", "float32"),
+        ("float64", "float64"),
+    ],
+)
+@pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
+def test_channel_last_wide_filters(dtype, wdtype, layout):
+    """Channel-last widths above 8 without seq_idx (fwd_cl_wide): tiles past the last channel
+    and time step, states before the row, with and without bias and activation."""
+    cases = itertools.product((9, 33, 100, 256), ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
+    for i, (width, (b, c, length)) in enumerate(cases):
+        run_case(
+            b, c, length, width, dtype, wdtype, layout=layout, bias=i % 2 == 0,
+            silu=i % 3 != 0, init=i % 2 == 1, final=i % 4 == 0, seed=i,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_short_rows_with_states(layout):
     for seqlen, width in ((1, 4), (2, 4), (3, 8), (1, 33)):
