@@ -28,10 +28,10 @@ TC_MAX = 17  # fwd_tc<T, K, SEQ, ...> up to this width; wider time-contiguous in
 MMA_MAX = 129  # fwd_mma<T, KS> (16-bit x, tensor cores) up to this width; wider: fwd_wide
 MMA_SPAN = 1024  # fwd_mma: outputs per tile (NB in fwd.cu)
 CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
-TC_STAGES, TC_MAX_VECTORS = 2, 4  # fwd_tc: spans staged per warp, most 16-byte vectors per lane
+TC_SHORT_ROW = 1024  # bytes: fwd_tc chunks of 32 x 2 vectors on rows up to this size, else longer
 CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
 CL_WIDE_STEPS = 256  # fwd_cl_wide: time steps per tile (tile_a; 4 warps x a multiple of 8)
-STAGED_THREADS = 128  # fwd_tc and fwd_cl blocks (4 warps, each with its own stages)
+STAGED_THREADS = 128  # fwd_tc, fwd_cl and fwd_mma blocks (4 warps, each with its own work)
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TILE_THREADS = 128  # fwd_wide blocks
 GENERAL_THREADS = 256
@@ -41,15 +41,13 @@ MAX_GRID = 2**31 - 1
 WIDTHS = range(1, 257)
 
 
-def forward_kernels(
-    dtype: str, width: int, seq: bool, vectors: int = TC_MAX_VECTORS
-) -> dict[str, str]:
+def forward_kernels(dtype: str, width: int, seq: bool, vectors: int = 8) -> dict[str, str]:
     """The dispatch table: the forward template instance for each layout, for x of ``dtype``
-    (``vectors``: 16-byte vectors per lane in a span of fwd_tc). "time" is for time-contiguous
+    (``vectors``: 16-byte vectors per lane in a chunk of fwd_tc). "time" is for time-contiguous
     x; "time_mma" replaces it above TC_MAX where tensor cores are exact (``tensor_cores``)."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
-    tc = f"fwd_tc<{t}, {width}, {s}, {TC_STAGES}, {vectors}>"
+    tc = f"fwd_tc<{t}, {width}, {s}, {vectors}>"
     cl = f"fwd_cl<{t}, {width}, {s}, {CL_STAGES}, {CL_ROWS}>"
     table = {
         "time": tc if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
@@ -86,13 +84,15 @@ def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> list[str]:
             for d in dtypes
             for w in widths
             for seq in (False, True)
-            for nv in _TC_VECTOR_CHOICES
+            for nv in (2, _tc_long_vectors(w))
             for name in forward_kernels(d, w, seq, nv).values()
         }
     )
 
 
-_TC_VECTOR_CHOICES = (TC_MAX_VECTORS // 2, TC_MAX_VECTORS)
+def _tc_long_vectors(width: int) -> int:
+    """fwd_tc's vectors per lane (NV) on rows longer than TC_SHORT_ROW bytes."""
+    return 8 if width <= 8 else 4
 
 
 def _pow2_at_least(n: int) -> int:
@@ -149,13 +149,12 @@ def _plan_forward(
 ) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
-    short = _TC_VECTOR_CHOICES[0]  # fwd_tc spans of 32 x nv vectors: short rows fit the shorter
-    nv = short if seqlen * itemsize <= 512 * short else TC_MAX_VECTORS
+    nv = 2 if seqlen * itemsize <= TC_SHORT_ROW else _tc_long_vectors(width)
     table = forward_kernels(x.dtype_name, width, has_seq, nv)
     _, x_c, x_l = x.strides
     if x_l == 1 or (seqlen == 1 and x_c != 1):
         if width <= TC_MAX:
-            return _plan_tc(x, out, width, nv, table["time"], itemsize, device)
+            return _plan_tc(x, out, nv, table["time"], itemsize)
         if mma and "time_mma" in table:
             return _plan_mma(x, out, width, table["time_mma"], device)
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
@@ -175,16 +174,12 @@ def _time_vec(a: Array, itemsize: int) -> bool:
     )
 
 
-def _plan_tc(x, out, width, nv, name, itemsize, device) -> Launch:
+def _plan_tc(x, out, nv, name, itemsize) -> Launch:
     batch, dim, seqlen = x.shape
-    vn = 16 // itemsize  # elements per vector
-    halo = -(-(width - 1) // vn)  # HV: vectors before a span
-    warps = STAGED_THREADS // 32
-    smem = warps * TC_STAGES * ((halo + 32 * nv) * 16 + 32 * 8)  # spans, parameter words
-    spans = batch * dim * -(-seqlen // (32 * nv * vn))
-    grid = min(-(-spans // warps), resident_blocks(device, name, STAGED_THREADS, smem))
+    chunks = batch * dim * -(-seqlen // (32 * nv * 16 // itemsize))  # one per warp
+    grid = min(-(-chunks // (STAGED_THREADS // 32)), MAX_GRID)
     x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
-    return Launch(name, grid, (STAGED_THREADS, 1), smem, 0, x_vec, out_vec)
+    return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, x_vec, out_vec)
 
 
 def _plan_mma(x, out, width, name, device) -> Launch:

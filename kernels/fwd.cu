@@ -7,11 +7,10 @@
 //
 // Kernels (all take one FwdParams struct, so one argument builder serves them; SEQ
 // says whether seq_idx is given, so the common case carries no segment bookkeeping):
-//   fwd_tc<T, K, SEQ, STAGES, NV>
-//                       time-contiguous x (x_l_stride == 1), width K <= 17. A warp computes
-//                       consecutive spans of 32 NV 16-byte vectors, each staged with its halo
-//                       (and, at a new row, the row's weights) in shared memory by cp.async
-//                       STAGES - 1 spans ahead.
+//   fwd_tc<T, K, SEQ, NV>
+//                       time-contiguous x (x_l_stride == 1), width K <= 17. A warp computes a
+//                       chunk of 32 NV 16-byte vectors of a row in registers, the halo of each
+//                       vector shuffled from the lanes before it.
 //   fwd_mma<T, KS>      time-contiguous 16-bit x, widths 18 to 16 (KS - 1) + 1 <= 129, no
 //                       seq_idx: banded Toeplitz products on tensor cores (m16n8k16 MMAs).
 //   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
@@ -26,9 +25,9 @@
 //                       shared memory; lanes compute adjacent channels, 8 outputs at a time.
 //   fwd_general<T>      any strides, any width: a run of 8 outputs per thread.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
-// Every kernel loops over its work (fwd_tc and fwd_cl over an equal share of it per warp,
-// fwd_mma grid-stride), so no grid dimension limits the shape, and every offset is 64-bit. x is read-only; out is
-// written exactly once per element.
+// Every kernel loops over its work (fwd_cl over an equal share of it per warp, the others
+// grid-stride), so no grid dimension limits the shape, and every offset is 64-bit. x is
+// read-only; out is written exactly once per element.
 #include "common.cuh"
 
 // The arguments of every forward kernel: the seven array pointers (null for absent inputs),
@@ -196,126 +195,53 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 };
 
 // ---------------------------------------------------------------------------------------------
-// fwd_tc: time-contiguous rows, width K <= 17. Rows are cut into spans of 32 NV vectors of VN
-// elements (16 bytes each); the grid's warps share the spans of all rows in contiguous,
-// equal runs, so a warp walks consecutive spans of a row and moves to the next row in place.
-// Each span is staged in the warp's shared memory together with the HV vectors before it
-// (the halo), STAGES - 1 spans ahead of the one being computed; the first span of a row also
-// stages the row's K weights and bias (one word per lane), so that no load is waited for at
-// a row change. Slot i of a stage holds the vector at position span_start + (i - HV) VN;
-// lane l computes the vectors in slots HV + l, HV + l + 32, ... from that slot and the HV
-// slots before it. Every global access is a coalesced 16-byte vector; misaligned rows are
-// staged with element loads instead. Spans whose halo lies before the row with
-// initial_states, and partial spans, take a checked path.
-template <typename T, int K, bool SEQ, int STAGES, int NV>
-__global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
+// fwd_tc: time-contiguous rows, width K <= 17, in registers. Rows are cut into chunks of 32 NV
+// vectors of VN elements (16 bytes each), one chunk per warp, handed out in order so that the
+// warps in flight sweep x front to back. Lane l holds the vectors l, l + 32, ... of its chunk
+// and loads all NV of them before computing any (every access a coalesced 16-byte vector);
+// the HV vectors before each one (its halo) come from the lanes before it by shuffles, and
+// lanes 32 - HV .. 31 also load the HV vectors before the chunk. Misaligned rows, and a row
+// whose end cuts a vector, pass through the warp's shared memory with element loads and
+// stores instead; positions before the row are zeros or initial_states.
+// Blocks per SM that fwd_tc's register budget is set for: short chunks need more warps in
+// flight; wide filters, seq_idx and float64 need more registers per thread.
+__host__ __device__ constexpr int tc_min_blocks(int K, bool SEQ, int NV, int bytes) {
+    return bytes == 8 ? 4 : SEQ || K > 8 ? 5 : NV <= 2 ? 10 : 7;
+}
+
+template <typename T, int K, bool SEQ, int NV>
+__global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
+    using Raw = typename Vec<T>::Raw;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
     constexpr int HV = (K - 1 + VN - 1) / VN;   // halo vectors
     constexpr int HE = HV * VN;                 // halo elements (>= K-1)
     constexpr int OFF = HE - (K - 1);           // window slot of tap 0 for output 0
-    constexpr int slots = HV + 32 * NV;         // vectors per stage
-    constexpr int span = 32 * NV * VN;          // elements per span
-    extern __shared__ uint4 stage_mem[];
-    // Per warp: STAGES stages of `slots` vectors, then STAGES x 32 parameter words.
-    uint4* const stages = stage_mem + (threadIdx.x / 32) * (STAGES * (slots + 16));
-    unsigned long long* const param_words = reinterpret_cast<unsigned long long*>(stages + STAGES * slots);
+    constexpr int FIRST_WORD = OFF * (int)sizeof(T) / 4;  // first word of the farthest halo vector used
+    constexpr int span = 32 * NV * VN;          // elements per chunk
     const int lane = threadIdx.x & 31;
-    const int64 spans_per_row = (seqlen + span - 1) / span;
-    int64 g0, g1;  // this warp's spans
-    warp_share(batch * dim * spans_per_row, g0, g1);
-    if (g0 >= g1) return;
+    const int64 chunks_per_row = (seqlen + span - 1) / span;
+    const int64 n_chunks = batch * dim * chunks_per_row;
+    __shared__ Raw stage_mem[4][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
+    Raw* const stage = stage_mem[threadIdx.x / 32];
+    T* const stage_e = reinterpret_cast<T*>(stage);
 
-    struct Cursor { int64 sp, c, b; };  // span sp of row (b, c)
-    Cursor issued, computed;
-    {
-        int64 row;
-        divmod(g0, spans_per_row, row, issued.sp);
-        divmod(row, dim, issued.b, issued.c);
-        computed = issued;
-    }
-    auto next = [&](Cursor& u) {
-        if (++u.sp == spans_per_row) {
-            u.sp = 0;
-            if (++u.c == dim) { u.c = 0; ++u.b; }
-        }
-    };
-    auto stage_slot = [&](uint4* s, int i, const T* xr, int64 p) {  // slot i <- position p
-        if (p < 0 || p >= seqlen) return;  // before the row: filled at compute time
-        if (x_vec) {
-            cp_async<16>(s + i, xr + p, (int)min((int64)VN, seqlen - p) * (int)sizeof(T));
-        } else {
-            Vec<T> v;
-            #pragma unroll
-            for (int e = 0; e < VN; ++e) v.e[e] = p + e < seqlen ? xr[(p + e) * x_l_stride] : T();
-            s[i] = v.raw;
-        }
-    };
-    // Stages the span at `u` into stage st (when `valid`), and the row's parameters (lane
-    // k < K: tap k, lane K: the bias) when `params`; always commits one group.
-    auto issue = [&](const Cursor& u, int st, bool valid, bool params) {
-        if (valid) {
-            if (params && lane < K)
-                stage_param(param_words + st * 32 + lane, weight, weight_dtype,
-                            u.c * weight_c_stride + lane * weight_width_stride);
-            if (params && lane == K && bias)
-                stage_param(param_words + st * 32 + lane, bias, bias_dtype, u.c * bias_stride);
-            const T* xr = x + u.b * x_batch_stride + u.c * x_c_stride;
-            const int64 start = u.sp * span;
-            uint4* s = stages + st * slots;
-            if (x_vec && start + span <= seqlen) {  // whole vectors
-                const T* src = xr + (start - HE) + lane * VN;
-                if (start >= HE) {  // slots 0 .. 32 nv + HV - 1 in order
-                    #pragma unroll
-                    for (int j = 0; j < NV; ++j) cp_async<16>(s + 32 * j + lane, src + 32 * j * VN, 16);
-                    if (HV > 0 && lane < HV) cp_async<16>(s + 32 * NV + lane, src + 32 * NV * VN, 16);
-                } else {  // the first span of a row: zeros before it (initial_states: at compute)
-                    #pragma unroll
-                    for (int j = 0; j < NV; ++j) cp_async<16>(s + HV + 32 * j + lane, src + HE + 32 * j * VN, 16);
-                    if (HV > 0 && lane < HV) s[lane] = make_uint4(0, 0, 0, 0);
-                }
-            } else {
-                #pragma unroll 1
-                for (int j = 0; j < NV; ++j) stage_slot(s, HV + 32 * j + lane, xr, start + (32LL * j + lane) * VN);
-                if (HV > 0 && lane < HV) stage_slot(s, lane, xr, start - (int64)(HV - lane) * VN);
-            }
-        }
-        cp_async_commit();
-    };
-    A w[K], bias_c = A(0);
-    auto load_params = [&](int64 c, int st) {  // row c's parameters, staged in stage st
-        A mine = A(0);
-        if (lane < K)
-            mine = staged_param<A>(param_words + st * 32 + lane, weight, weight_dtype,
-                                   c * weight_c_stride + lane * weight_width_stride);
-        else if (lane == K && bias)
-            mine = staged_param<A>(param_words + st * 32 + lane, bias, bias_dtype, c * bias_stride);
+    // u from lane src: the words the taps read (from FIRST_WORD on when `farthest`).
+    auto shuffle = [&](const Vec<T>& u, int src, bool farthest) {
+        Vec<T> r;
+        unsigned* w = reinterpret_cast<unsigned*>(&r.raw);
+        const unsigned* s = reinterpret_cast<const unsigned*>(&u.raw);
         #pragma unroll
-        for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
-        bias_c = __shfl_sync(0xffffffffu, mine, K);
+        for (int q = 0; q < 4; ++q) w[q] = farthest && q < FIRST_WORD ? 0u : __shfl_sync(0xffffffffu, s[q], src);
+        return r;
     };
-
-    // Output vector j of the lane (positions t ..), from the staged window.
-    auto outputs = [&](const uint4* s, int j, int64 b, int64 c, int64 t, bool edge) {
-        A win[HE + VN];  // positions t-HE .. t+VN-1
-        #pragma unroll
-        for (int h = 0; h <= HV; ++h) {
-            Vec<T> v;
-            v.raw = s[32 * j + h];
-            widen<T, A, VN>(v.e, win + h * VN);
-        }
-        if (HE > 0 && edge && t < HE) {  // positions before the row: initial_states (or zeros)
-            #pragma unroll
-            for (int q = 0; q < HE; ++q) {
-                const int64 p = t - HE + q;
-                if (p < 0) win[q] = p < -(K - 1) ? A(0) : INPUT_AT(A, b, c, p);
-            }
-        }
+    // The VN outputs from window win (positions t-HE .. t+VN-1 of row (b, c)), activated.
+    auto outputs = [&](A (&win)[HE + VN], const A (&w)[K], A bias_c, int64 b, int64 t) {
         int64 ids[SEQ ? HE + VN : 1];
         if constexpr (SEQ) {
             #pragma unroll
-            for (int q = 0; q < HE + VN; ++q) {
+            for (int q = OFF; q < HE + VN; ++q) {
                 const int64 p = t - HE + q;
                 ids[q] = p < seqlen ? SEQ_ID(b, p) : -1;
             }
@@ -340,51 +266,81 @@ __global__ void __launch_bounds__(128) fwd_tc(FWD_SIGNATURE) {
         activate_store(acc, silu_act, res.e);
         return res;
     };
-    auto compute = [&](const Cursor& u, int st, bool new_row) {
-        const int64 b = u.b, c = u.c, start = u.sp * span;
-        if (new_row) load_params(c, st);
-        const uint4* s = stages + st * slots + lane;
+
+    for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
+        int64 row, chunk, b, c;
+        divmod(g, chunks_per_row, row, chunk);
+        divmod(row, dim, b, c);
+        const int64 start = chunk * span;
+        const int n = (int)min(seqlen - start, (int64)span);  // elements of the chunk in the row
+        const T* const xr = x + b * x_batch_stride + c * x_c_stride;
         T* const orow = out + b * out_batch_stride + c * out_c_stride;
-        // A whole span whose halo is staged (zeros before the row without initial_states).
-        if (out_vec && x_vec && start + span <= seqlen && (start >= HE || !initial_states)) {
-            uint4* o = reinterpret_cast<uint4*>(orow + start) + lane;
-            #pragma unroll
-            for (int j = 0; j < NV; ++j)
-                o[32 * j] = outputs(s, j, b, c, start + (32LL * j + lane) * VN, false).raw;
-            return;
+
+        // Lane k < K holds tap k, lane K the bias; every lane gets all of them by shuffles.
+        A mine = A(0);
+        if (lane < K) mine = load_as<A>(weight, weight_dtype, c * weight_c_stride + lane * weight_width_stride);
+        else if (lane == K && bias) mine = load_as<A>(bias, bias_dtype, c * bias_stride);
+        A w[K];
+        #pragma unroll
+        for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
+        const A bias_c = __shfl_sync(0xffffffffu, mine, K);
+
+
+        // Whole vectors: every vector is inside the row or after it.
+        const bool whole = n == span || seqlen % VN == 0;
+        const bool x_vectors = x_vec && whole, out_vectors = out_vec && whole;
+        const int used = (n + VN - 1) / VN * VN;  // elements of the chunk's vectors that hold any
+        if (!x_vectors) {  // stage the chunk and its halo element by element
+            __syncwarp();
+            #pragma unroll 1
+            for (int e = lane; e < HE + used; e += 32) {
+                const int64 p = start - HE + e;
+                stage_e[e] = p >= 0 && p < seqlen ? xr[p] : T();  // (x_l_stride != 1: one element)
+            }
+            __syncwarp();
         }
-        #pragma unroll 1
+        const Raw* const xc = reinterpret_cast<const Raw*>(xr + start);
+        Vec<T> cur[NV], before;
+        #pragma unroll
         for (int j = 0; j < NV; ++j) {
-            const int64 t = start + (32LL * j + lane) * VN;
-            if (t >= seqlen) break;
-            const Vec<T> res = outputs(s, j, b, c, t, true);
-            if (out_vec && t + VN <= seqlen) {
-                *reinterpret_cast<uint4*>(orow + t) = res.raw;
-            } else {
+            const bool in_row = (32 * j + lane) * VN < n;
+            cur[j].raw = !in_row ? Raw() : x_vectors ? __ldg(xc + 32 * j + lane) : stage[HV + 32 * j + lane];
+        }
+        before.raw = Raw();  // zeros before the row (initial_states: when the window is built)
+        if (HV > 0 && lane >= 32 - HV && start > 0)
+            before.raw = x_vectors ? __ldg(xc + lane - 32) : stage[lane - (32 - HV)];
+
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int i = (32 * j + lane) * VN;  // chunk offset of this vector
+            A win[HE + VN];  // positions start + i - HE .. start + i + VN - 1
+            #pragma unroll
+            for (int h = 1; h <= HV; ++h) {
+                // Lane l's halo vector h is lane (l - h) mod 32's vector j, or its vector j - 1
+                // (before, for j = 0) when l < h: each source lane sends the one its reader needs.
+                const Vec<T> src = lane + h < 32 ? cur[j] : j > 0 ? cur[j > 0 ? j - 1 : 0] : before;
+                const Vec<T> v = shuffle(src, (lane - h) & 31, h == HV);
+                widen<T, A, VN>(v.e, win + (HV - h) * VN);
+            }
+            widen<T, A, VN>(cur[j].e, win + HE);
+            if (j == 0 && HE > 0 && initial_states && start == 0 && lane < HV) {  // before the row
                 #pragma unroll
-                for (int o = 0; o < VN; ++o)
-                    if (t + o < seqlen) orow[(t + o) * out_l_stride] = res.e[o];
+                for (int q = OFF; q < HE; ++q) {
+                    const int p = i - HE + q;
+                    if (p < 0) win[q] = INPUT_AT(A, b, c, p);
+                }
+            }
+            const Vec<T> res = outputs(win, w, bias_c, b, start + i);
+            if (i < n) {
+                if (out_vectors) reinterpret_cast<Raw*>(orow + start)[32 * j + lane] = res.raw;
+                else stage[HV + 32 * j + lane] = res.raw;
             }
         }
-    };
-
-    #pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-        const bool valid = g0 + k < g1;
-        issue(issued, k, valid, k == 0 || issued.sp == 0);
-        if (valid) next(issued);
-    }
-    int st = 0;
-    for (int64 g = g0; g < g1; ++g) {
-        const bool ahead = g + (STAGES - 1) < g1;
-        issue(issued, st == 0 ? STAGES - 1 : st - 1, ahead, STAGES == 1 || issued.sp == 0);
-        if (ahead) next(issued);
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        compute(computed, st, g == g0 || computed.sp == 0);
-        next(computed);
-        __syncwarp();  // stage st is free for the next issue
-        st = st + 1 == STAGES ? 0 : st + 1;
+        if (!out_vectors) {  // store the staged outputs element by element
+            __syncwarp();
+            #pragma unroll 1
+            for (int e = lane; e < n; e += 32) orow[(start + e) * out_l_stride] = stage_e[HE + e];
+        }
     }
 }
 

@@ -34,15 +34,15 @@ def test_compile_error_is_reported():
     from cupyconv._compile import compile_offline
 
     with pytest.raises(RuntimeError, match="failed to compile"):
-        compile_offline("fwd.cu", ["fwd_tc<int, 4, false, 2, 4>"], "compute_90")
+        compile_offline("fwd.cu", ["fwd_tc<int, 4, false, 8>"], "compute_90")
 
 
 def test_instance_table_covers_every_width():
     names = all_forward_instances(dtypes=("bfloat16",))
     for seq in ("false", "true"):
-        assert f"fwd_tc<__nv_bfloat16, 4, {seq}, 2, 4>" in names
-        assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 2, 4>" in names
-        assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 2, 4>" not in names  # wider: fwd_wide
+        assert f"fwd_tc<__nv_bfloat16, 4, {seq}, 8>" in names
+        assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 4>" in names
+        assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 4>" not in names  # wider: fwd_wide
         assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
         assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 2, 8>" in names
         assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 2, 8>" not in names  # wider: fwd_general

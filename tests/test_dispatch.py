@@ -78,8 +78,8 @@ def CL():  # noqa: N802 - names a layout
 @pytest.mark.parametrize(
     "make_x,width,name",
     [
-        pytest.param(CF, 4, "fwd_tc<float, 4, false, 2, 4>", id="cf-width4"),
-        pytest.param(CF, 17, "fwd_tc<float, 17, false, 2, 4>", id="cf-width17"),
+        pytest.param(CF, 4, "fwd_tc<float, 4, false, 8>", id="cf-width4"),
+        pytest.param(CF, 17, "fwd_tc<float, 17, false, 4>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
         pytest.param(CL, 8, "fwd_cl<float, 8, false, 2, 8>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_cl_wide<float>", id="cl-width9"),
@@ -91,7 +91,7 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), dtype=np.float16),
             4,
-            "fwd_tc<__half, 4, false, 2, 2>",
+            "fwd_tc<__half, 4, false, 2>",
             id="cf-float16",
         ),
     ],
@@ -131,7 +131,7 @@ def test_seq_idx_and_states_select_and_fill(launches):
         x, weight(64, 4), bias, seq_idx=seq, initial_states=init, return_final_states=True
     )
     (main, _, p), (fin, _, q) = launches
-    assert main == "fwd_tc<float, 4, true, 2, 4>" and fin == "fwd_final_states<float>"
+    assert main == "fwd_tc<float, 4, true, 8>" and fin == "fwd_final_states<float>"
     assert (p["seq_dtype"], p["bias_dtype"], p["init_dtype"]) == (4, 1, 0)
     assert p["pointers"][6] == 0 and q["pointers"][6] != 0  # final_states only in the second
     strides = tuple(s // 4 for s in final.__cuda_array_interface__["strides"])
@@ -150,7 +150,7 @@ def test_empty_rows_launch_only_the_final_states(launches):
 
 def test_width1_has_no_final_states_launch(launches):
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 8, 5)), weight(8, 1), return_final_states=True)
-    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false, 2, 2>"]
+    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false, 2>"]
 
 
 def test_resident_blocks_takes_the_tightest_limit(monkeypatch):

@@ -55,7 +55,7 @@ def fake_cupy(monkeypatch):
 
 
 def test_racing_threads_compile_once(fake_cupy):
-    name = "fwd_tc<__nv_bfloat16, 4, false, 2, 4>"
+    name = "fwd_tc<__nv_bfloat16, 4, false, 8>"
     results = []
     barrier = threading.Barrier(8)
 
