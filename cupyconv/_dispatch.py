@@ -28,7 +28,8 @@ TC_MAX = 17  # fwd_tc<T, K, SEQ, ...> up to this width; wider time-contiguous in
 MMA_MAX = 129  # fwd_mma<T, KS> (16-bit x, tensor cores) up to this width; wider: fwd_wide
 MMA_SPAN = 1024  # fwd_mma: outputs per tile (NB in fwd.cu)
 CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
-TC_SHORT_ROW = 1024  # bytes: fwd_tc chunks of 32 x 2 vectors on rows up to this size, else longer
+TC_VECTORS = (2, 8)  # fwd_tc: 16-byte vectors per lane (NV) on rows up to TC_SHORT_ROW bytes,
+TC_SHORT_ROW = 1024  # and on longer rows
 CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
 CL_WIDE_STEPS = 256  # fwd_cl_wide: time steps per tile (tile_a; 4 warps x a multiple of 8)
 STAGED_THREADS = 128  # fwd_tc, fwd_cl and fwd_mma blocks (4 warps, each with its own work)
@@ -41,7 +42,9 @@ MAX_GRID = 2**31 - 1
 WIDTHS = range(1, 257)
 
 
-def forward_kernels(dtype: str, width: int, seq: bool, vectors: int = 8) -> dict[str, str]:
+def forward_kernels(
+    dtype: str, width: int, seq: bool, vectors: int = TC_VECTORS[1]
+) -> dict[str, str]:
     """The dispatch table: the forward template instance for each layout, for x of ``dtype``
     (``vectors``: 16-byte vectors per lane in a chunk of fwd_tc). "time" is for time-contiguous
     x; "time_mma" replaces it above TC_MAX where tensor cores are exact (``tensor_cores``)."""
@@ -84,15 +87,10 @@ def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> list[str]:
             for d in dtypes
             for w in widths
             for seq in (False, True)
-            for nv in (2, _tc_long_vectors(w))
+            for nv in TC_VECTORS
             for name in forward_kernels(d, w, seq, nv).values()
         }
     )
-
-
-def _tc_long_vectors(width: int) -> int:
-    """fwd_tc's vectors per lane (NV) on rows longer than TC_SHORT_ROW bytes."""
-    return 8 if width <= 8 else 4
 
 
 def _pow2_at_least(n: int) -> int:
@@ -149,7 +147,7 @@ def _plan_forward(
 ) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
-    nv = 2 if seqlen * itemsize <= TC_SHORT_ROW else _tc_long_vectors(width)
+    nv = TC_VECTORS[seqlen * itemsize > TC_SHORT_ROW]
     table = forward_kernels(x.dtype_name, width, has_seq, nv)
     _, x_c, x_l = x.strides
     if x_l == 1 or (seqlen == 1 and x_c != 1):

@@ -199,14 +199,15 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 // vectors of VN elements (16 bytes each), one chunk per warp, handed out in order so that the
 // warps in flight sweep x front to back. Lane l holds the vectors l, l + 32, ... of its chunk
 // and loads all NV of them before computing any (every access a coalesced 16-byte vector);
-// the HV vectors before each one (its halo) come from the lanes before it by shuffles, and
-// lanes 32 - HV .. 31 also load the HV vectors before the chunk. Misaligned rows, and a row
-// whose end cuts a vector, pass through the warp's shared memory with element loads and
-// stores instead; positions before the row are zeros or initial_states.
-// Blocks per SM that fwd_tc's register budget is set for: short chunks need more warps in
-// flight; wide filters, seq_idx and float64 need more registers per thread.
+// lanes 32 - HV .. 31 also load the HV vectors before the chunk. The halo of a vector (the HV
+// vectors before it) comes from the lane before it by a shuffle when HV = 1, else from the
+// warp's shared memory, where the chunk is written once. Misaligned rows, and a row whose end
+// cuts a vector, are loaded into the shared memory element by element instead, and stored
+// element by element; positions before the row are zeros or initial_states.
+// Blocks per SM that fwd_tc's register budget is set for: short chunks held in registers need
+// more warps in flight; seq_idx and float64 need more registers per thread.
 __host__ __device__ constexpr int tc_min_blocks(int K, bool SEQ, int NV, int bytes) {
-    return bytes == 8 ? 4 : SEQ || K > 8 ? 5 : NV <= 2 ? 10 : 7;
+    return bytes == 8 ? 4 : SEQ ? 5 : NV <= 2 && K - 1 <= 16 / bytes ? 10 : 7;
 }
 
 template <typename T, int K, bool SEQ, int NV>
@@ -220,6 +221,7 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
     constexpr int OFF = HE - (K - 1);           // window slot of tap 0 for output 0
     constexpr int FIRST_WORD = OFF * (int)sizeof(T) / 4;  // first word of the farthest halo vector used
     constexpr int span = 32 * NV * VN;          // elements per chunk
+    constexpr bool SMEM = HV > 1;               // the chunk in shared memory, not in registers
     const int lane = threadIdx.x & 31;
     const int64 chunks_per_row = (seqlen + span - 1) / span;
     const int64 n_chunks = batch * dim * chunks_per_row;
@@ -276,6 +278,47 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
         const T* const xr = x + b * x_batch_stride + c * x_c_stride;
         T* const orow = out + b * out_batch_stride + c * out_c_stride;
 
+
+        // Whole vectors: every vector is inside the row or after it.
+        const bool whole = n == span || seqlen % VN == 0;
+        const bool x_vectors = x_vec && whole, out_vectors = out_vec && whole;
+        const int used = (n + VN - 1) / VN * VN;  // elements of the chunk's vectors that hold any
+        __syncwarp();  // the stage's last readers are done
+        if (!x_vectors) {  // stage the chunk and its halo element by element
+            #pragma unroll 1
+            for (int e = lane; e < HE + used; e += 32) {
+                const int64 p = start - HE + e;
+                stage_e[e] = p >= 0 && p < seqlen ? xr[p] : T();  // (x_l_stride != 1: one element)
+            }
+            __syncwarp();
+        }
+        // x first, then the weights: both loads in flight at once.
+        const Raw* const xc = reinterpret_cast<const Raw*>(xr + start);
+        const bool has_before = HV > 0 && lane >= 32 - HV && start > 0;
+        Vec<T> cur[SMEM ? 1 : NV], before;
+        before.raw = Raw();  // zeros before the row (initial_states: when the window is built)
+        if constexpr (SMEM) {
+            if (x_vectors) {  // cp.async into the stage, zero-filled after the row
+                #pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    const bool in_row = (32 * j + lane) * VN < n;
+                    cp_async<16>(stage + HV + 32 * j + lane, xc + (in_row ? 32 * j + lane : 0), in_row ? 16 : 0);
+                }
+                if (lane >= 32 - HV) {
+                    if (has_before) cp_async<16>(stage + lane - (32 - HV), xc + lane - 32, 16);
+                    else stage[lane - (32 - HV)] = Raw();
+                }
+                cp_async_commit();
+            }
+        } else if (x_vectors) {
+            #pragma unroll
+            for (int j = 0; j < NV; ++j) cur[j].raw = (32 * j + lane) * VN < n ? __ldg(xc + 32 * j + lane) : Raw();
+            if (has_before) before.raw = __ldg(xc + lane - 32);
+        } else {
+            #pragma unroll
+            for (int j = 0; j < NV; ++j) cur[j].raw = (32 * j + lane) * VN < n ? stage[HV + 32 * j + lane] : Raw();
+            if (has_before) before.raw = stage[lane - (32 - HV)];
+        }
         // Lane k < K holds tap k, lane K the bias; every lane gets all of them by shuffles.
         A mine = A(0);
         if (lane < K) mine = load_as<A>(weight, weight_dtype, c * weight_c_stride + lane * weight_width_stride);
@@ -284,31 +327,10 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
         #pragma unroll
         for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
         const A bias_c = __shfl_sync(0xffffffffu, mine, K);
-
-
-        // Whole vectors: every vector is inside the row or after it.
-        const bool whole = n == span || seqlen % VN == 0;
-        const bool x_vectors = x_vec && whole, out_vectors = out_vec && whole;
-        const int used = (n + VN - 1) / VN * VN;  // elements of the chunk's vectors that hold any
-        if (!x_vectors) {  // stage the chunk and its halo element by element
-            __syncwarp();
-            #pragma unroll 1
-            for (int e = lane; e < HE + used; e += 32) {
-                const int64 p = start - HE + e;
-                stage_e[e] = p >= 0 && p < seqlen ? xr[p] : T();  // (x_l_stride != 1: one element)
-            }
+        if constexpr (SMEM) {
+            cp_async_wait<0>();
             __syncwarp();
         }
-        const Raw* const xc = reinterpret_cast<const Raw*>(xr + start);
-        Vec<T> cur[NV], before;
-        #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const bool in_row = (32 * j + lane) * VN < n;
-            cur[j].raw = !in_row ? Raw() : x_vectors ? __ldg(xc + 32 * j + lane) : stage[HV + 32 * j + lane];
-        }
-        before.raw = Raw();  // zeros before the row (initial_states: when the window is built)
-        if (HV > 0 && lane >= 32 - HV && start > 0)
-            before.raw = x_vectors ? __ldg(xc + lane - 32) : stage[lane - (32 - HV)];
 
         #pragma unroll
         for (int j = 0; j < NV; ++j) {
@@ -316,13 +338,21 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
             A win[HE + VN];  // positions start + i - HE .. start + i + VN - 1
             #pragma unroll
             for (int h = 1; h <= HV; ++h) {
-                // Lane l's halo vector h is lane (l - h) mod 32's vector j, or its vector j - 1
-                // (before, for j = 0) when l < h: each source lane sends the one its reader needs.
-                const Vec<T> src = lane + h < 32 ? cur[j] : j > 0 ? cur[j > 0 ? j - 1 : 0] : before;
-                const Vec<T> v = shuffle(src, (lane - h) & 31, h == HV);
+                Vec<T> v;
+                if constexpr (SMEM) {
+                    v.raw = stage[HV + 32 * j + lane - h];
+                } else {
+                    // Lane l's halo is lane (l - 1) mod 32's vector j, or its vector j - 1
+                    // (before, for j = 0) for l = 0: each source lane sends the one its reader needs.
+                    const Vec<T> src = lane + h < 32 ? cur[j] : j > 0 ? cur[j > 0 ? j - 1 : 0] : before;
+                    v = shuffle(src, (lane - h) & 31, h == HV);
+                }
                 widen<T, A, VN>(v.e, win + (HV - h) * VN);
             }
-            widen<T, A, VN>(cur[j].e, win + HE);
+            Vec<T> center;
+            if constexpr (SMEM) center.raw = stage[HV + 32 * j + lane];
+            else center = cur[j];
+            widen<T, A, VN>(center.e, win + HE);
             if (j == 0 && HE > 0 && initial_states && start == 0 && lane < HV) {  // before the row
                 #pragma unroll
                 for (int q = OFF; q < HE; ++q) {
@@ -331,12 +361,17 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
                 }
             }
             const Vec<T> res = outputs(win, w, bias_c, b, start + i);
-            if (i < n) {
-                if (out_vectors) reinterpret_cast<Raw*>(orow + start)[32 * j + lane] = res.raw;
-                else stage[HV + 32 * j + lane] = res.raw;
+            if (out_vectors) {
+                if (i < n) reinterpret_cast<Raw*>(orow + start)[32 * j + lane] = res.raw;
+            } else if constexpr (!SMEM) {  // the stage is free: store from it below
+                stage[HV + 32 * j + lane] = res.raw;
+            } else {
+                #pragma unroll
+                for (int o = 0; o < VN; ++o)
+                    if (i + o < n) orow[(start + i + o) * out_l_stride] = res.e[o];
             }
         }
-        if (!out_vectors) {  // store the staged outputs element by element
+        if (!SMEM && !out_vectors) {  // the staged outputs, element by element
             __syncwarp();
             #pragma unroll 1
             for (int e = lane; e < n; e += 32) orow[(start + e) * out_l_stride] = stage_e[HE + e];

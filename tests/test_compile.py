@@ -41,8 +41,8 @@ def test_instance_table_covers_every_width():
     names = all_forward_instances(dtypes=("bfloat16",))
     for seq in ("false", "true"):
         assert f"fwd_tc<__nv_bfloat16, 4, {seq}, 8>" in names
-        assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 4>" in names
-        assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 4>" not in names  # wider: fwd_wide
+        assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 8>" in names
+        assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 8>" not in names  # wider: fwd_wide
         assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
         assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 2, 8>" in names
         assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 2, 8>" not in names  # wider: fwd_general
