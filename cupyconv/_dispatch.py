@@ -30,7 +30,7 @@ MMA_SPAN = 1024  # fwd_mma: outputs per tile (NB in fwd.cu)
 CL_MAX = 8  # fwd_cl<T, K, SEQ, ...> up to this width; wider channel-contiguous input: general
 TC_VECTORS = (2, 8)  # fwd_tc: 16-byte vectors per lane (NV) on rows up to TC_SHORT_ROW bytes,
 TC_SHORT_ROW = 1024  # and on longer rows
-CL_STAGES, CL_ROWS = 2, 8  # fwd_cl: row groups in flight per warp, rows per group
+CL_STEPS = {2: 16, 4: 8, 8: 8}  # fwd_cl: time steps per tile (R in fwd.cu) by itemsize
 CL_WIDE_STEPS = 256  # fwd_cl_wide: time steps per tile (tile_a; 4 warps x a multiple of 8)
 STAGED_THREADS = 128  # fwd_tc, fwd_cl and fwd_mma blocks (4 warps, each with its own work)
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
@@ -51,7 +51,7 @@ def forward_kernels(
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     tc = f"fwd_tc<{t}, {width}, {s}, {vectors}>"
-    cl = f"fwd_cl<{t}, {width}, {s}, {CL_STAGES}, {CL_ROWS}>"
+    cl = f"fwd_cl<{t}, {width}, {s}, {CL_STEPS[ITEMSIZE[dtype]]}>"
     table = {
         "time": tc if width <= TC_MAX else f"fwd_wide<{t}, {s}>",
         "channel": cl if width <= CL_MAX else f"fwd_general<{t}>" if seq else f"fwd_cl_wide<{t}>",
@@ -156,9 +156,9 @@ def _plan_forward(
         if mma and "time_mma" in table:
             return _plan_mma(x, out, width, table["time_mma"], device)
         return _plan_wide(x, out, width, has_seq, table["time"], itemsize)
-    if x_c == 1 and width <= CL_MAX:
-        return _plan_cl(x, out, table["channel"], itemsize, device)
-    if x_c == 1 and not has_seq:
+    if x_c == 1 and width <= CL_MAX and _cl_vectors(x, itemsize):
+        return _plan_cl(x, out, table["channel"], itemsize)
+    if x_c == 1 and width > CL_MAX and not has_seq:
         return _plan_cl_wide(x, width, table["channel"], itemsize, device)
     runs = batch * dim * -(-seqlen // GENERAL_RUN)
     grid = min(-(-runs // GENERAL_THREADS), MAX_GRID)
@@ -212,24 +212,25 @@ def _plan_wide(x, out, width, has_seq, name, itemsize) -> Launch:
     return Launch(name, min(n_tiles, MAX_GRID), (tpr, rows), rows * per_row, tpr, x_vec, out_vec)
 
 
-def _plan_cl(x, out, name, itemsize, device) -> Launch:
+def _cl_bytes(itemsize: int) -> int:
+    """Bytes of a lane's channel vector in fwd_cl (BYTES in fwd.cu): 4 channels of 16 bits."""
+    return 8 if itemsize == 2 else 16
+
+
+def _cl_vectors(a: Array, itemsize: int) -> bool:
+    """Whether channel-contiguous ``a`` splits into fwd_cl's aligned lane vectors."""
+    nbytes = _cl_bytes(itemsize)
+    whole = a.shape[1] % (nbytes // itemsize) == 0
+    return whole and _aligned(a, itemsize, _outer_strides(a, (0, 2)), nbytes)
+
+
+def _plan_cl(x, out, name, itemsize) -> Launch:
     batch, dim, seqlen = x.shape
-    nbytes = 8 if itemsize == 2 else 16  # BYTES in fwd_cl
-    v = nbytes // itemsize  # channels per lane
-    warps = STAGED_THREADS // 32
-    smem = warps * CL_STAGES * CL_ROWS * 32 * nbytes
-    strips = -(-dim // (32 * v))
-    # Runs of time as long as needed for one run per resident warp (fewer, longer runs share
-    # fewer halo rows), in whole groups of CL_ROWS rows.
-    resident = resident_blocks(device, name, STAGED_THREADS, smem) * warps
-    run = -(-(batch * strips * seqlen) // resident)
-    run = min(max(run, 8 * CL_ROWS), seqlen)
-    run = -(-run // CL_ROWS) * CL_ROWS
-    tasks = batch * strips * -(-seqlen // run)
-    grid = min(-(-tasks // warps), MAX_GRID)
-    x_vec = _aligned(x, itemsize, _outer_strides(x, (0, 2)), nbytes)
-    out_vec = out.strides[1] == 1 and _aligned(out, itemsize, _outer_strides(out, (0, 2)), nbytes)
-    return Launch(name, grid, (STAGED_THREADS, 1), smem, run, x_vec, out_vec)
+    v = _cl_bytes(itemsize) // itemsize  # channels per lane
+    tiles = batch * -(-seqlen // CL_STEPS[itemsize]) * -(-dim // (32 * v))  # one per warp
+    grid = min(-(-tiles // (STAGED_THREADS // 32)), MAX_GRID)
+    out_vec = out.strides[1] == 1 and _cl_vectors(out, itemsize)
+    return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, True, out_vec)
 
 
 def _plan_cl_wide(x, width, name, itemsize, device) -> Launch:

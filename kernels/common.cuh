@@ -126,15 +126,6 @@ __device__ __forceinline__ void advance(Digits& u, const Digits& step, int64 n_l
     if (u.mid >= n_mid) { u.mid -= n_mid; ++u.hi; }
     u.hi += step.hi;
 }
-// [first, last): this warp's share of n items cut into contiguous runs, equal to within one,
-// over the warps of the grid.
-__device__ __forceinline__ void warp_share(int64 n, int64& first, int64& last) {
-    const int64 n_warps = grid_warps(), warp = grid_warp();
-    const int64 per = n / n_warps, extra = n % n_warps;
-    first = warp * per + min(warp, extra);
-    last = first + per + (warp < extra);
-}
-
 // Stages element i of the float array p of run-time dtype `code` into *dst (8-byte aligned)
 // with cp.async: the 8 bytes of a float64, else the aligned 4 bytes that hold the element.
 __device__ __forceinline__ void stage_param(unsigned long long* dst, const void* p, int code, int64 i) {

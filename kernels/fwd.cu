@@ -16,18 +16,16 @@
 //   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
 //                       tile of (rows) x (time) plus the K-1 halo in shared memory as A; each
 //                       thread applies the taps, zero-padded to chunks of 16, to its N outputs.
-//   fwd_cl<T, K, SEQ, STAGES, U>
-//                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp walks a
-//                       run of time over a strip of 32 channel vectors, U rows per cp.async
-//                       stage, with the last K-1 rows kept in registers.
+//   fwd_cl<T, K, SEQ, R>
+//                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp computes a
+//                       tile of R time steps x 32 channel vectors in registers.
 //   fwd_cl_wide<T>      channel-contiguous x, any width (run-time; used above 8), no seq_idx: a
 //                       block stages a tile of time x 32 channels (and their weights) in
 //                       shared memory; lanes compute adjacent channels, 8 outputs at a time.
 //   fwd_general<T>      any strides, any width: a run of 8 outputs per thread.
 //   fwd_final_states<T> final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
-// Every kernel loops over its work (fwd_cl over an equal share of it per warp, the others
-// grid-stride), so no grid dimension limits the shape, and every offset is 64-bit. x is
-// read-only; out is written exactly once per element.
+// Every kernel loops over its work grid-stride, so no grid dimension limits the shape, and
+// every offset is 64-bit. x is read-only; out is written exactly once per element.
 #include "common.cuh"
 
 // The arguments of every forward kernel: the seven array pointers (null for absent inputs),
@@ -526,179 +524,110 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// fwd_cl: channel-contiguous x (x_c_stride == 1), width K <= 8. Lane l of a warp owns V
-// adjacent channels (one BYTES-wide vector) of a strip of 32 V channels. A task is a run of
-// tile_a time steps (a multiple of U) of one strip of one batch row; tasks are numbered
-// strip-fastest and the grid's warps share them in contiguous, equal runs. A warp walks its
-// tasks U rows at a time; each group of U rows is staged in the warp's shared memory by
-// cp.async STAGES - 1 groups ahead, and the last K-1 rows stay in registers.
-template <typename T, int K, bool SEQ, int STAGES, int U>
-__global__ void __launch_bounds__(128) fwd_cl(FWD_SIGNATURE) {
+// fwd_cl: channel-contiguous x (x_c_stride == 1) whose rows are aligned to the lane vectors and
+// whose dim is a multiple of V, width K <= 8, in registers. A warp computes a tile of R time
+// steps x 32 V channels: lane l owns V adjacent channels, one 8- or 16-byte vector per time
+// step. It stages the tile's R rows and the K-1 rows before them in shared memory by cp.async
+// (each a coalesced vector per lane) before computing any, then slides a window of K rows
+// down the tile. Tiles are
+// numbered channels fastest, then time, then batch row, one per warp, and handed out in
+// order, so that the warps in flight sweep x front to back. Lanes past dim idle.
+template <typename T, int K, bool SEQ, int R>
+__global__ void __launch_bounds__(128, SEQ || K > 4 ? 4 : 6) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
     using VecT = Vec<T, BYTES>;
     using Raw = typename VecT::Raw;
-    constexpr int V = VecT::V;    // channels per lane
-    constexpr int W = K - 1;      // history rows kept in registers
-    extern __shared__ uint4 stage_mem[];
+    constexpr int V = VecT::V;  // channels per lane
+    constexpr int W = K - 1;    // rows before the tile
     const int lane = threadIdx.x & 31;
-    Raw* const stages = reinterpret_cast<Raw*>(stage_mem) + (threadIdx.x / 32) * (STAGES * U * 32) + lane;
-    const int64 run_len = tile_a;
-    const int groups = (int)(run_len / U);
+    __shared__ Raw stage_mem[4][(W + R) * 32];  // per warp: the tile's rows, lane-interleaved
+    Raw* const stage = stage_mem[threadIdx.x / 32] + lane;
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
-    const int64 n_runs = (seqlen + run_len - 1) / run_len;
-    int64 k0, k1;  // this warp's tasks
-    warp_share(batch * n_runs * n_strips, k0, k1);
-    if (k0 >= k1) return;
+    const int64 steps_per_row = (seqlen + R - 1) / R;
+    const int64 n_tiles = batch * steps_per_row * n_strips;
 
-    struct Cursor {
-        int64 task, b, t, c0;  // task; its batch row; first step of the group; lane's channel
-        int grp, nc;           // group in the task; lane's channels inside dim (0..V)
-    };
-    auto locate = [&](Cursor& u) {  // group 0 of u.task
-        int64 br, strip, run;
-        divmod(u.task, n_strips, br, strip);
-        divmod(br, n_runs, u.b, run);
-        u.t = run * run_len;
-        u.c0 = strip * (32 * V) + lane * V;
-        u.nc = u.c0 >= dim ? 0 : u.c0 + V <= dim ? V : (int)(dim - u.c0);
-        u.grp = 0;
-    };
-    auto next = [&](Cursor& u) {
-        u.t += U;
-        if (++u.grp == groups || u.t >= seqlen) {
-            if (++u.task < k1) locate(u);
-        }
-    };
-    // Stages the group at `u` into stage st (when `valid`); always commits one group.
-    auto issue = [&](const Cursor& u, int st, bool valid) {
-        if (valid && u.nc > 0) {
-            const T* src = x + u.b * x_batch_stride + u.c0 + u.t * x_l_stride;
-            Raw* s = stages + st * (U * 32);
-            const int bytes = u.nc * (int)sizeof(T);
-            if (x_vec && u.t + U <= seqlen) {
-                #pragma unroll
-                for (int r = 0; r < U; ++r) cp_async<BYTES>(s + r * 32, src + r * x_l_stride, bytes);
-            } else {
-                #pragma unroll
-                for (int r = 0; r < U; ++r) {
-                    if (u.t + r >= seqlen) break;
-                    if (x_vec) {
-                        cp_async<BYTES>(s + r * 32, src + r * x_l_stride, bytes);
-                    } else {
-                        VecT v;
-                        #pragma unroll
-                        for (int e = 0; e < V; ++e) v.e[e] = e < u.nc ? src[r * x_l_stride + e] : T();
-                        s[r * 32] = v.raw;
-                    }
-                }
-            }
+    for (int64 g = grid_warp(); g < n_tiles; g += grid_warps()) {
+        int64 bt, strip, b, step;
+        divmod(g, n_strips, bt, strip);
+        divmod(bt, steps_per_row, b, step);
+        const int64 t0 = step * R;
+        const int64 c0 = strip * (32 * V) + lane * V;
+        if (c0 >= dim) continue;  // (nothing below is collective)
+        const T* const xb = x + b * x_batch_stride + c0;
+
+        // Rows t0 - W .. t0 + R - 1 into the lane's stage slots, zero-filled outside the row
+        // (initial_states: when widened). A lane reads back only its own slots.
+        #pragma unroll
+        for (int r = 0; r < W + R; ++r) {
+            const int64 p = t0 - W + r;
+            const bool in_row = p >= 0 && p < seqlen;
+            cp_async<BYTES>(stage + 32 * r, xb + (in_row ? p : 0) * x_l_stride, in_row ? BYTES : 0);
         }
         cp_async_commit();
-    };
-
-    A w[K][V], bias_v[V], hist[W > 0 ? W : 1][V];
-    int64 hist_id[SEQ && W > 0 ? W : 1];
-    // The outputs of row t from its staged inputs; slides the history by one row.
-    auto step = [&](Raw raw, int64 b, int64 t) {
-        VecT row;
-        row.raw = raw;
-        const int64 id = SEQ ? SEQ_ID(b, t) : 0;
-        A xr[V], acc[V];
-        widen<T, A, V>(row.e, xr);
-        #pragma unroll
-        for (int v = 0; v < V; ++v) {
-            acc[v] = bias_v[v];
-            #pragma unroll
-            for (int k = 0; k < W; ++k) {
-                if constexpr (SEQ) {
-                    if (hist_id[k] == id) acc[v] += w[k][v] * hist[k][v];
-                } else {
-                    acc[v] += w[k][v] * hist[k][v];
-                }
-            }
-            acc[v] += w[W][v] * xr[v];
-            if (SEQ && id < 0) acc[v] = A(0);  // padding
-            #pragma unroll
-            for (int k = 0; k + 1 < W; ++k) hist[k][v] = hist[k + 1][v];
-            if (W > 0) hist[W > 0 ? W - 1 : 0][v] = xr[v];
-        }
-        if constexpr (SEQ && W > 0) {
-            #pragma unroll
-            for (int k = 0; k + 1 < W; ++k) hist_id[k] = hist_id[k + 1];
-            hist_id[W - 1] = id;
-        }
-        VecT res;
-        activate_store(acc, silu_act, res.e);
-        return res;
-    };
-    auto compute = [&](const Cursor& u, int st) {
-        const int64 b = u.b, c0 = u.c0;
-        const int nc = u.nc;
-        if (u.grp == 0) {  // a new task: its parameters and the K-1 rows before it
-            const int64 cw = nc > 0 ? c0 : 0;  // a channel to read parameters of (idle lanes)
-            with_dtype(weight, weight_dtype, [&](auto* p) {
-                #pragma unroll
-                for (int v = 0; v < V; ++v)
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k)
-                        w[k][v] = to_acc(p[(v < nc ? cw + v : cw) * weight_c_stride + k * weight_width_stride]);
-            });
+        A w[K][V], bias_v[V];
+        with_dtype(weight, weight_dtype, [&](auto* wp) {
             #pragma unroll
             for (int v = 0; v < V; ++v)
-                bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (v < nc ? cw + v : cw) * bias_stride) : A(0);
-            #pragma unroll
-            for (int j = 0; j < W; ++j) {
-                const int64 p = u.t - W + j;
                 #pragma unroll
-                for (int v = 0; v < V; ++v) hist[j][v] = v < nc ? INPUT_AT(A, b, cw + v, p) : A(0);
-                if constexpr (SEQ) hist_id[j] = SEQ_ID(b, p);
+                for (int k = 0; k < K; ++k)
+                    w[k][v] = to_acc(wp[(c0 + v) * weight_c_stride + k * weight_width_stride]);
+        });
+        #pragma unroll
+        for (int v = 0; v < V; ++v)
+            bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride) : A(0);
+        int64 ids[SEQ ? W + R : 1];
+        if constexpr (SEQ) {
+            #pragma unroll
+            for (int r = 0; r < W + R; ++r) {
+                const int64 p = t0 - W + r;
+                ids[r] = p < seqlen ? SEQ_ID(b, p) : -1;
             }
         }
-        const Raw* s = stages + st * (U * 32);
-        T* ob = out + b * out_batch_stride + c0 * out_c_stride + u.t * out_l_stride;
-        if (out_vec && nc == V && u.t + U <= seqlen) {  // U whole rows
+
+        T* const ob = out + b * out_batch_stride + c0 * out_c_stride;
+        cp_async_wait<0>();
+        A win[K][V];  // rows r - W .. r, widened
+        #pragma unroll
+        for (int r = 0; r < W + R; ++r) {
             #pragma unroll
-            for (int r = 0; r < U; ++r)
-                *reinterpret_cast<Raw*>(ob + r * out_l_stride) = step(s[r * 32], b, u.t + r).raw;
-            return;
-        }
-        #pragma unroll 1
-        for (int r = 0; r < U; ++r, ob += out_l_stride) {
-            if (u.t + r >= seqlen) break;
-            const VecT res = step(s[r * 32], b, u.t + r);
-            if (out_vec && nc == V) {
-                *reinterpret_cast<Raw*>(ob) = res.raw;
+            for (int k = 0; k < W; ++k)
+                #pragma unroll
+                for (int v = 0; v < V; ++v) win[k][v] = win[k + 1][v];
+            VecT row;
+            row.raw = stage[32 * r];
+            widen<T, A, V>(row.e, win[W]);
+            const int64 p = t0 - W + r;
+            if (r < W && initial_states && p < 0) {  // before the row
+                #pragma unroll
+                for (int v = 0; v < V; ++v) win[W][v] = INPUT_AT(A, b, c0 + v, p);
+            }
+            if (r < W || p >= seqlen) continue;
+            A acc[V];
+            #pragma unroll
+            for (int v = 0; v < V; ++v) {
+                acc[v] = bias_v[v];
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    if constexpr (SEQ) {
+                        if (ids[r - W + k] == ids[r]) acc[v] += w[k][v] * win[k][v];
+                    } else {
+                        acc[v] += w[k][v] * win[k][v];
+                    }
+                }
+                if (SEQ && ids[r] < 0) acc[v] = A(0);  // padding
+            }
+            VecT res;
+            activate_store(acc, silu_act, res.e);
+            T* const o = ob + p * out_l_stride;
+            if (out_vec) {
+                *reinterpret_cast<Raw*>(o) = res.raw;
             } else {
                 #pragma unroll
-                for (int v = 0; v < V; ++v)
-                    if (v < nc) ob[v * out_c_stride] = res.e[v];
+                for (int v = 0; v < V; ++v) o[v * out_c_stride] = res.e[v];
             }
         }
-    };
-
-    Cursor issued, computed;
-    issued.task = k0;
-    locate(issued);
-    computed = issued;
-    #pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-        const bool valid = issued.task < k1;
-        issue(issued, k, valid);
-        if (valid) next(issued);
-    }
-    int st = 0;
-    while (computed.task < k1) {
-        const bool valid = issued.task < k1;
-        issue(issued, st == 0 ? STAGES - 1 : st - 1, valid);
-        if (valid) next(issued);
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        compute(computed, st);
-        next(computed);
-        __syncwarp();  // stage st is free for the next issue
-        st = st + 1 == STAGES ? 0 : st + 1;
     }
 }
 

@@ -81,7 +81,7 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CF, 4, "fwd_tc<float, 4, false, 8>", id="cf-width4"),
         pytest.param(CF, 17, "fwd_tc<float, 17, false, 8>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
-        pytest.param(CL, 8, "fwd_cl<float, 8, false, 2, 8>", id="cl-width8"),
+        pytest.param(CL, 8, "fwd_cl<float, 8, false, 8>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_cl_wide<float>", id="cl-width9"),
         pytest.param(CL, 256, "fwd_cl_wide<float>", id="cl-width256"),
         pytest.param(
@@ -189,16 +189,34 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     assert kernel.max_dynamic_shared_size_bytes == 60 * 1024
 
 
-def test_channel_runs_fill_the_device(launches):
-    """fwd_cl's run length (tile_a): whole row groups, about one run per resident warp."""
-    x = channel_last(8, 5120, 2048, dtype=np.float16)
-    cupyconv.causal_conv1d_fn(x, FakeCudaArray((5120, 4), dtype=np.float16))
-    ((name, plan, params),) = launches
-    assert name.startswith("fwd_cl<__half, 4, false")
-    run = params["tile_a"]
-    assert run % _dispatch.CL_ROWS == 0
-    tasks = 8 * -(-5120 // 128) * -(-2048 // run)
-    assert tasks <= 132 * 8 * 4 < tasks + 8 * 40  # fake device: 132 SMs x 8 blocks x 4 warps
+def test_one_chunk_or_tile_per_warp(launches):
+    """fwd_tc: a chunk of 32 x 8 vectors of a row per warp (32 x 2 on rows up to 1 KB);
+    fwd_cl: a tile of 16 time steps (16-bit x) x 32 lanes x 4 channels per warp. 4 warps a
+    block."""
+    half = dict(dtype=np.float16)
+    cupyconv.causal_conv1d_fn(FakeCudaArray((8, 5120, 2048), **half), weight(5120, 4))
+    cupyconv.causal_conv1d_fn(FakeCudaArray((64, 1024, 512), **half), weight(1024, 4))
+    cupyconv.causal_conv1d_fn(channel_last(8, 5120, 2048, **half), weight(5120, 4))
+    names = [name for name, _, _ in launches]
+    assert names == [
+        "fwd_tc<__half, 4, false, 8>", "fwd_tc<__half, 4, false, 2>", "fwd_cl<__half, 4, false, 16>"
+    ]  # fmt: skip
+    grids = [plan.grid for _, plan, _ in launches]
+    assert grids == [8 * 5120 // 4, 64 * 1024 // 4, 8 * (2048 // 16) * (5120 // 128) // 4]
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        pytest.param(lambda: channel_last(2, 66, 300), id="dim-not-a-multiple-of-4"),
+        pytest.param(lambda: channel_last(2, 64, 300, offset=1), id="misaligned-base"),
+    ],
+)
+def test_channel_last_without_lane_vectors_takes_the_general_kernel(launches, x):
+    x = x()
+    cupyconv.causal_conv1d_fn(x, weight(x.__cuda_array_interface__["shape"][1], 4))
+    ((launched, plan, params),) = launches
+    assert launched == "fwd_general<float>" and params["tile_a"] == 1  # channels fastest
 
 
 def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches):
