@@ -9,16 +9,16 @@
 // says whether seq_idx is given, so the common case carries no segment bookkeeping):
 //   fwd_tc<T, K, SEQ, NV>
 //                       time-contiguous x (x_l_stride == 1), width K <= 17. A warp computes a
-//                       chunk of 32 NV 16-byte vectors of a row in registers, the halo of each
-//                       vector shuffled from the lanes before it.
+//                       chunk of 32 NV 16-byte vectors of a row, held in registers with halos
+//                       shuffled from the lane before (one-vector halos), else staged.
 //   fwd_mma<T, KS>      time-contiguous 16-bit x, widths 18 to 16 (KS - 1) + 1 <= 129, no
 //                       seq_idx: banded Toeplitz products on tensor cores (m16n8k16 MMAs).
 //   fwd_wide<T, SEQ>    time-contiguous x, any width (run-time; used above 17). A block stages a
 //                       tile of (rows) x (time) plus the K-1 halo in shared memory as A; each
 //                       thread applies the taps, zero-padded to chunks of 16, to its N outputs.
 //   fwd_cl<T, K, SEQ, R>
-//                       channel-contiguous x (x_c_stride == 1), width K <= 8. A warp computes a
-//                       tile of R time steps x 32 channel vectors in registers.
+//                       channel-contiguous x (x_c_stride == 1) in aligned lane vectors, width
+//                       K <= 8. A warp computes a tile of R time steps x 32 channel vectors.
 //   fwd_cl_wide<T>      channel-contiguous x, any width (run-time; used above 8), no seq_idx: a
 //                       block stages a tile of time x 32 channels (and their weights) in
 //                       shared memory; lanes compute adjacent channels, 8 outputs at a time.
