@@ -193,15 +193,15 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 };
 
 // ---------------------------------------------------------------------------------------------
-// fwd_tc: time-contiguous rows, width K <= 17, in registers. Rows are cut into chunks of 32 NV
-// vectors of VN elements (16 bytes each), one chunk per warp, handed out in order so that the
-// warps in flight sweep x front to back. Lane l holds the vectors l, l + 32, ... of its chunk
-// and loads all NV of them before computing any (every access a coalesced 16-byte vector);
-// lanes 32 - HV .. 31 also load the HV vectors before the chunk. The halo of a vector (the HV
-// vectors before it) comes from the lane before it by a shuffle when HV = 1, else from the
-// warp's shared memory, where the chunk is written once. Misaligned rows, and a row whose end
-// cuts a vector, are loaded into the shared memory element by element instead, and stored
-// element by element; positions before the row are zeros or initial_states.
+// fwd_tc: time-contiguous rows, width K <= 17. Rows are cut into chunks of 32 NV vectors of VN
+// elements (16 bytes each), one chunk per warp, handed out in order so that the warps in
+// flight sweep x front to back. Lane l owns the vectors l, l + 32, ... of its chunk, and all
+// of the chunk is requested before any of it is computed (every access a coalesced 16-byte
+// vector); lanes 32 - HV .. 31 also fetch the HV vectors before the chunk. With a one-vector
+// halo (HV = 1) the chunk is held in registers and a vector's halo is shuffled from the lane
+// before it; wider halos come from the chunk staged in the warp's shared memory by cp.async.
+// Misaligned rows, and a row whose end cuts a vector, are staged element by element instead
+// and stored element by element; positions before the row are zeros or initial_states.
 // Blocks per SM that fwd_tc's register budget is set for: short chunks held in registers need
 // more warps in flight; seq_idx and float64 need more registers per thread.
 __host__ __device__ constexpr int tc_min_blocks(int K, bool SEQ, int NV, int bytes) {
@@ -275,7 +275,6 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
         const int n = (int)min(seqlen - start, (int64)span);  // elements of the chunk in the row
         const T* const xr = x + b * x_batch_stride + c * x_c_stride;
         T* const orow = out + b * out_batch_stride + c * out_c_stride;
-
 
         // Whole vectors: every vector is inside the row or after it.
         const bool whole = n == span || seqlen % VN == 0;
