@@ -44,5 +44,5 @@ def test_instance_table_covers_every_width():
         assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 8>" in names
         assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 8>" not in names  # wider: fwd_wide
         assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
-        assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 8>" in names
-        assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 8>" not in names  # wider: fwd_general
+        assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 16>" in names
+        assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 16>" not in names  # wider: fwd_general
