@@ -181,6 +181,10 @@ __global__ void fwd_final_states(FWD_SIGNATURE) {
 // ---------------------------------------------------------------------------------------------
 // Helpers shared by the fast kernels.
 
+// Warps per block of fwd_tc and fwd_cl, which size their per-warp shared memory statically
+// (cupyconv/_dispatch.py launches them with STAGED_THREADS = 32 BLOCK_WARPS threads).
+constexpr int BLOCK_WARPS = 4;
+
 template <int BYTES> struct RawOf;
 template <> struct RawOf<8> { using type = uint2; };
 template <> struct RawOf<16> { using type = uint4; };
@@ -209,7 +213,7 @@ __host__ __device__ constexpr int tc_min_blocks(int K, bool SEQ, int NV, int byt
 }
 
 template <typename T, int K, bool SEQ, int NV>
-__global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd_tc(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     using Raw = typename Vec<T>::Raw;
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(128, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd
     const int lane = threadIdx.x & 31;
     const int64 chunks_per_row = (seqlen + span - 1) / span;
     const int64 n_chunks = batch * dim * chunks_per_row;
-    __shared__ Raw stage_mem[4][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
+    __shared__ Raw stage_mem[BLOCK_WARPS][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
     Raw* const stage = stage_mem[threadIdx.x / 32];
     T* const stage_e = reinterpret_cast<T*>(stage);
 
@@ -532,7 +536,7 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // numbered channels fastest, then time, then batch row, one per warp, and handed out in
 // order, so that the warps in flight sweep x front to back. Lanes past dim idle.
 template <typename T, int K, bool SEQ, int R>
-__global__ void __launch_bounds__(128, SEQ || K > 4 ? 4 : 6) fwd_cl(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
@@ -541,7 +545,7 @@ __global__ void __launch_bounds__(128, SEQ || K > 4 ? 4 : 6) fwd_cl(FWD_SIGNATUR
     constexpr int V = VecT::V;  // channels per lane
     constexpr int W = K - 1;    // rows before the tile
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[4][(W + R) * 32];  // per warp: the tile's rows, lane-interleaved
+    __shared__ Raw stage_mem[BLOCK_WARPS][(W + R) * 32];  // per warp: the tile's rows, lane-interleaved
     Raw* const stage = stage_mem[threadIdx.x / 32] + lane;
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 steps_per_row = (seqlen + R - 1) / R;

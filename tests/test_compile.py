@@ -46,3 +46,16 @@ def test_instance_table_covers_every_width():
         assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
         assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 16>" in names
         assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 16>" not in names  # wider: fwd_general
+
+
+def test_block_size_matches_the_kernels_shared_memory():
+    """fwd_tc and fwd_cl size their per-warp shared memory for BLOCK_WARPS warps: the
+    dispatcher must launch exactly that many."""
+    import re
+
+    from cupyconv._compile import kernel_dir
+    from cupyconv._dispatch import STAGED_THREADS
+
+    text = (kernel_dir() / "fwd.cu").read_text()
+    (warps,) = re.findall(r"constexpr int BLOCK_WARPS = (\d+);", text)
+    assert STAGED_THREADS == 32 * int(warps)
