@@ -182,13 +182,31 @@ __device__ __forceinline__ void widen(const T* src, A* dst) {
     }
 }
 
-// out[i] = T(act(acc[i])) for N values: the activation as one uniform branch for all of them,
-// and half types converted two at a time.
+// The fast kernels fold SiLU's first multiply into their weights and bias: they accumulate
+// a = s z with s = act_scale<A>(silu_act) (-log2(e) for SiLU in float32, else 1), and
+// silu_scaled(a) = z / (1 + 2^a) = a / (s + s 2^a): one exp2, one FMA, one reciprocal and one
+// FMA per output (its + 0 makes a zero a +0). float64 is not scaled and takes the exact silu.
+template <typename A>
+__device__ __forceinline__ A act_scale(int silu_act) {
+    return silu_act && same_type<A, float> ? A(-1.4426950408889634) : A(1);
+}
+__device__ __forceinline__ float silu_scaled(float a) {
+    constexpr float s = -1.4426950408889634f;
+    float e, r, z;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(a));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, s, s)));
+    asm("fma.rn.ftz.f32 %0, %1, %2, 0f00000000;" : "=f"(z) : "f"(a), "f"(r));
+    return z;  // z = -inf: a = inf, 2^a = inf, r = -0, NaN (as z / (1 + exp(-z)))
+}
+__device__ __forceinline__ double silu_scaled(double z) { return silu(z); }
+
+// out[i] = T(act(z[i])) for N values accumulated as acc[i] = act_scale<A>(silu_act) z[i]: the
+// activation as one uniform branch for all of them, and half types converted two at a time.
 template <typename T, typename A, int N>
 __device__ __forceinline__ void activate_store(A (&acc)[N], int silu_act, T* out) {
     if (silu_act) {
         #pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] = silu(acc[i]);
+        for (int i = 0; i < N; ++i) acc[i] = silu_scaled(acc[i]);
     }
     if constexpr (same_type<T, __nv_bfloat16> && N % 2 == 0) {
         #pragma unroll

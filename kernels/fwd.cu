@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, si
         A mine = A(0);
         if (lane < K) mine = load_as<A>(weight, weight_dtype, c * weight_c_stride + lane * weight_width_stride);
         else if (lane == K && bias) mine = load_as<A>(bias, bias_dtype, c * bias_stride);
+        mine *= act_scale<A>(silu_act);
         A w[K];
         #pragma unroll
         for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
@@ -532,11 +533,11 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // steps x 32 V channels: lane l owns V adjacent channels, one 8- or 16-byte vector per time
 // step. It stages the tile's R rows and the K-1 rows before them in shared memory by cp.async
 // (each a coalesced vector per lane) before computing any, then slides a window of K rows
-// down the tile. Tiles are
-// numbered channels fastest, then time, then batch row, one per warp, and handed out in
-// order, so that the warps in flight sweep x front to back. Lanes past dim idle.
+// down the tile. Tiles are numbered channels fastest, then time, then batch row, one per warp,
+// and handed out in order, so that the warps in flight sweep x front to back. Lanes past dim
+// idle.
 template <typename T, int K, bool SEQ, int R>
-__global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
@@ -544,9 +545,11 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl
     using Raw = typename VecT::Raw;
     constexpr int V = VecT::V;  // channels per lane
     constexpr int W = K - 1;    // rows before the tile
+    constexpr int ROWS = W + R;
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[BLOCK_WARPS][(W + R) * 32];  // per warp: the tile's rows, lane-interleaved
+    __shared__ Raw stage_mem[BLOCK_WARPS][ROWS * 32];  // per warp: the tile's rows, lane-interleaved
     Raw* const stage = stage_mem[threadIdx.x / 32] + lane;
+    const A scale = act_scale<A>(silu_act);
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 steps_per_row = (seqlen + R - 1) / R;
     const int64 n_tiles = batch * steps_per_row * n_strips;
@@ -560,40 +563,69 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl
         if (c0 >= dim) continue;  // (nothing below is collective)
         const T* const xb = x + b * x_batch_stride + c0;
 
-        // Rows t0 - W .. t0 + R - 1 into the lane's stage slots, zero-filled outside the row
-        // (initial_states: when widened). A lane reads back only its own slots.
-        #pragma unroll
-        for (int r = 0; r < W + R; ++r) {
-            const int64 p = t0 - W + r;
-            const bool in_row = p >= 0 && p < seqlen;
-            cp_async<BYTES>(stage + 32 * r, xb + (in_row ? p : 0) * x_l_stride, in_row ? BYTES : 0);
-        }
+        // Stage rows t0 - W .. t0 + R - 1 (stage rows 0 .. ROWS - 1): those from lo to hi - 1
+        // are in the row, the others are zero-filled. A lane reads back only its own slots.
+        const int lo = (int)max(W - t0, (int64)0), hi = (int)min(seqlen - t0 + W, (int64)ROWS);
+        auto stage_rows = [&](bool inside) {
+            const T* src = xb + (t0 - W + lo) * x_l_stride;
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const bool in_row = inside || (r >= lo && r < hi);
+                cp_async<BYTES>(stage + 32 * r, in_row ? src : xb, in_row ? BYTES : 0);
+                if (in_row) src += x_l_stride;
+            }
+        };
+        if (lo == 0 && hi == ROWS) stage_rows(true);
+        else stage_rows(false);
         cp_async_commit();
+        // Weights and bias, scaled for the activation.
         A w[K][V], bias_v[V];
         with_dtype(weight, weight_dtype, [&](auto* wp) {
+            const auto* wc = wp + c0 * weight_c_stride;
             #pragma unroll
-            for (int v = 0; v < V; ++v)
+            for (int v = 0; v < V; ++v, wc += weight_c_stride)
                 #pragma unroll
-                for (int k = 0; k < K; ++k)
-                    w[k][v] = to_acc(wp[(c0 + v) * weight_c_stride + k * weight_width_stride]);
+                for (int k = 0; k < K; ++k) w[k][v] = A(to_acc(wc[k * weight_width_stride])) * scale;
         });
         #pragma unroll
-        for (int v = 0; v < V; ++v)
-            bias_v[v] = bias ? load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride) : A(0);
-        int64 ids[SEQ ? W + R : 1];
+        for (int v = 0; v < V; ++v) bias_v[v] = A(0);
+        if (bias) {
+            with_dtype(bias, bias_dtype, [&](auto* bp) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v) bias_v[v] = A(to_acc(bp[(c0 + v) * bias_stride])) * scale;
+            });
+        }
+        int64 ids[SEQ ? ROWS : 1];  // segment ids of the stage rows
         if constexpr (SEQ) {
             #pragma unroll
-            for (int r = 0; r < W + R; ++r) {
+            for (int r = 0; r < ROWS; ++r) {
                 const int64 p = t0 - W + r;
                 ids[r] = p < seqlen ? SEQ_ID(b, p) : -1;
             }
         }
 
-        T* const ob = out + b * out_batch_stride + c0 * out_c_stride;
         cp_async_wait<0>();
-        A win[K][V];  // rows r - W .. r, widened
+        A win[K][V];  // rows r - W .. r, widened, for output row r
         #pragma unroll
-        for (int r = 0; r < W + R; ++r) {
+        for (int r = 0; r < W; ++r) {
+            VecT row;
+            row.raw = stage[32 * r];
+            widen<T, A, V>(row.e, win[r + 1]);
+        }
+        if (initial_states && lo > 0) {  // the rows before the row
+            #pragma unroll
+            for (int r = 0; r < W; ++r)
+                #pragma unroll
+                for (int v = 0; v < V; ++v)
+                    if (r < lo)
+                        win[r + 1][v] = load_as<A>(initial_states, init_dtype,
+                                                   b * init_batch_stride + (c0 + v) * init_c_stride +
+                                                       (width - 1 + t0 - W + r) * init_l_stride);
+        }
+        T* o = out + b * out_batch_stride + c0 * out_c_stride + t0 * out_l_stride;
+        const int n_out = hi - W;  // rows of the tile in the row
+        #pragma unroll
+        for (int r = W; r < ROWS; ++r, o += out_l_stride) {
             #pragma unroll
             for (int k = 0; k < W; ++k)
                 #pragma unroll
@@ -601,12 +633,7 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl
             VecT row;
             row.raw = stage[32 * r];
             widen<T, A, V>(row.e, win[W]);
-            const int64 p = t0 - W + r;
-            if (r < W && initial_states && p < 0) {  // before the row
-                #pragma unroll
-                for (int v = 0; v < V; ++v) win[W][v] = INPUT_AT(A, b, c0 + v, p);
-            }
-            if (r < W || p >= seqlen) continue;
+            if (r - W >= n_out) break;
             A acc[V];
             #pragma unroll
             for (int v = 0; v < V; ++v) {
@@ -623,7 +650,6 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 6) fwd_cl
             }
             VecT res;
             activate_store(acc, silu_act, res.e);
-            T* const o = ob + p * out_l_stride;
             if (out_vec) {
                 *reinterpret_cast<Raw*>(o) = res.raw;
             } else {
