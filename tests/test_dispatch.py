@@ -81,7 +81,7 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CF, 4, "fwd_tc<float, 4, false, 8>", id="cf-width4"),
         pytest.param(CF, 17, "fwd_tc<float, 17, false, 8>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
-        pytest.param(CL, 8, "fwd_cl<float, 8, false, 8>", id="cl-width8"),
+        pytest.param(CL, 8, "fwd_cl<float, 8, false, 16>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_cl_wide<float>", id="cl-width9"),
         pytest.param(CL, 256, "fwd_cl_wide<float>", id="cl-width256"),
         pytest.param(
