@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, si
     };
 
     for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
-        int64 row, chunk, b, c;
-        divmod(g, chunks_per_row, row, chunk);
+        int64 row = g, chunk = 0, b, c;
+        if (chunks_per_row > 1) divmod(g, chunks_per_row, row, chunk);
         divmod(row, dim, b, c);
         const int64 start = chunk * span;
         const int n = (int)min(seqlen - start, (int64)span);  // elements of the chunk in the row
@@ -320,11 +320,15 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, si
             for (int j = 0; j < NV; ++j) cur[j].raw = (32 * j + lane) * VN < n ? stage[HV + 32 * j + lane] : Raw();
             if (has_before) before.raw = stage[lane - (32 - HV)];
         }
-        // Lane k < K holds tap k, lane K the bias; every lane gets all of them by shuffles.
+        // Lane k < K loads tap k, lane K the bias (one load of either dtype), scaled for the
+        // activation; every lane gets all of them by shuffles.
+        const bool tap = lane < K;
+        const void* const param = tap ? weight : bias;
         A mine = A(0);
-        if (lane < K) mine = load_as<A>(weight, weight_dtype, c * weight_c_stride + lane * weight_width_stride);
-        else if (lane == K && bias) mine = load_as<A>(bias, bias_dtype, c * bias_stride);
-        mine *= act_scale<A>(silu_act);
+        if (lane <= K && param)
+            mine = load_as<A>(param, tap ? weight_dtype : bias_dtype,
+                              tap ? c * weight_c_stride + lane * weight_width_stride : c * bias_stride) *
+                   act_scale<A>(silu_act);
         A w[K];
         #pragma unroll
         for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
