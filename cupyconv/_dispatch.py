@@ -131,7 +131,7 @@ def plan_forward(
 ) -> Launch:
     """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
     whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
-    mma = tensor_cores(x, weight, initial_states)
+    mma = width > TC_MAX and tensor_cores(x, weight, initial_states)
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
         out.ptr % 16,

@@ -616,7 +616,8 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl
             row.raw = stage[32 * r];
             widen<T, A, V>(row.e, win[r + 1]);
         }
-        if (initial_states && lo > 0) {  // the rows before the row
+        if (initial_states && lo > 0) {  // the rows before the row: states, never x (INPUT_AT's
+                                         // x branch here costs registers and spills)
             #pragma unroll
             for (int r = 0; r < W; ++r)
                 #pragma unroll
