@@ -115,6 +115,7 @@ class Launch:
     tile_a: int
     x_vec: bool
     out_vec: bool
+    divisors: tuple[int, int] = (0, 0)  # div_a, div_b of FwdParams
 
 
 _plans: dict[tuple, Launch] = {}
@@ -230,7 +231,8 @@ def _plan_cl(x, out, name, itemsize) -> Launch:
     tiles = batch * -(-seqlen // CL_STEPS[itemsize]) * -(-dim // (32 * v))  # one per warp
     grid = min(-(-tiles // (STAGED_THREADS // 32)), MAX_GRID)
     out_vec = out.strides[1] == 1 and _cl_vectors(out, itemsize)
-    return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, True, out_vec)
+    divisors = (fast_divisor(-(-dim // (32 * v))), fast_divisor(-(-seqlen // CL_STEPS[itemsize])))
+    return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, True, out_vec, divisors)
 
 
 def _plan_cl_wide(x, width, name, itemsize, device) -> Launch:
@@ -241,6 +243,18 @@ def _plan_cl_wide(x, width, name, itemsize, device) -> Launch:
     tiles = batch * -(-seqlen // tt) * -(-dim // 32)
     grid = min(tiles, resident_blocks(device, name, STAGED_THREADS, smem))
     return Launch(name, grid, (STAGED_THREADS, 1), smem, tt, False, False)
+
+
+def fast_divisor(d: int) -> int:
+    """The divisor d (>= 1) as divmod_fast in kernels/common.cuh takes it: m | k << 32 such that
+    a // d == a * m >> k for every 0 <= a < 2**31 (m = ceil(2**k / d) with k = 31 + ceil(log2 d):
+    m d - 2**k < d <= 2**(k - 31), which makes the quotient exact; Granlund and Montgomery,
+    "Division by invariant integers using multiplication", 1994). 0 for d >= 2**31, where every
+    such a // d is 0."""
+    if d >= 2**31:
+        return 0
+    k = 31 + (d - 1).bit_length()
+    return -(-(1 << k) // d) | k << 32
 
 
 def plan_final_states(x: Array, width: int) -> Launch:
@@ -298,9 +312,8 @@ FWD_FIELDS = (
     "out_batch_stride", "out_c_stride", "out_l_stride",
     "final_batch_stride", "final_c_stride", "final_l_stride",
     "weight_dtype", "bias_dtype", "seq_dtype", "init_dtype",
-    "silu_act", "x_vec", "out_vec", "tile_a",
+    "silu_act", "x_vec", "out_vec", "tile_a", "div_a", "div_b",
 )  # fmt: skip
-_FWD_STRUCT = np.dtype((np.void, 8 * len(FWD_FIELDS)))
 
 
 def _operand(a: Array | None, ndim: int) -> tuple:
@@ -310,10 +323,10 @@ def _operand(a: Array | None, ndim: int) -> tuple:
 
 def forward_args(
     launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu
-) -> tuple:
+) -> ParamBlock:
     """The kernel arguments: the pointers of x, weight, bias, seq_idx, initial_states, out and
-    final_states (0 when absent), then FwdParams as a numpy void scalar (fields in FWD_FIELDS
-    order, each an int64)."""
+    final_states (0 when absent), then FwdParams (fields in FWD_FIELDS order), packed for the
+    launcher; memoised per distinct value."""
     x_ptr, *x_strides = _operand(x, 3)
     w_ptr, *w_strides = _operand(weight, 2)
     b_ptr, *b_strides = _operand(bias, 1)
@@ -322,30 +335,87 @@ def forward_args(
     o_ptr, *o_strides = _operand(out, 3)
     f_ptr, *f_strides = _operand(final_states, 3)
     values = (
+        x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr,
         *x.shape, width,
         *x_strides, *w_strides, *b_strides, *s_strides, *i_strides, *o_strides, *f_strides,
         _code(weight), _code(bias), _code(seq_idx), _code(initial_states),
-        int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a,
+        int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a, *launch.divisors,
     )  # fmt: skip
-    params = _params.get(values)
-    if params is None:
-        params = remember(_params, values, np.array(values, np.int64).view(_FWD_STRUCT)[0])
-    return (x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr, params)
+    block = _blocks.get(values)
+    if block is None:
+        block = remember(_blocks, values, ParamBlock(values))
+    return block
 
 
-_params: dict[tuple, np.void] = {}  # FwdParams per distinct value tuple (pointer-free)
+FWD_POINTERS = 7  # x, weight, bias, seq_idx, initial_states, out, final_states
+
+
+class ParamBlock:
+    """Kernel parameters as cuLaunchKernel takes them in its ``extra`` argument: one buffer laid
+    out as the kernel declares its parameters (8-byte pointers, then the 8-byte fields of
+    FwdParams: no padding anywhere). ``words`` holds, as int64, the ``extra`` list
+    [BUFFER_POINTER, &words[6], BUFFER_SIZE, &words[5], END], the buffer's size, then the
+    buffer; ``extra`` is its address. Never written after it is built, so launches from any
+    thread may share it."""
+
+    __slots__ = ("words", "extra")
+    HEADER = 6
+
+    def __init__(self, values: tuple[int, ...]):
+        words = np.empty(self.HEADER + len(values), np.int64)
+        addr = words.ctypes.data
+        words[: self.HEADER] = (1, addr + 8 * self.HEADER, 2, addr + 40, 0, 8 * len(values))
+        words[self.HEADER :] = values
+        words.flags.writeable = False
+        self.words, self.extra = words, addr
+
+    @property
+    def pointers(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.words[self.HEADER : self.HEADER + FWD_POINTERS])
+
+    @property
+    def fields(self) -> dict[str, int]:
+        values = self.words[self.HEADER + FWD_POINTERS :]
+        return dict(zip(FWD_FIELDS, (int(v) for v in values), strict=True))
+
+
+_blocks: dict[tuple, ParamBlock] = {}
 
 
 def _code(a: Array | None) -> int:
     return 0 if a is None else DTYPE_CODES[a.dtype_name]
 
 
-def launch(file: str, plan: Launch, device: int, args: tuple, stream) -> None:
+# ---- the launcher ----------------------------------------------------------------------------
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def launch(file: str, plan: Launch, device: int, args: ParamBlock, stream) -> None:
+    """Launch ``plan`` with ``args`` on ``stream`` (an object with ``.ptr``, or None for CuPy's
+    current stream) through the driver API."""
     import cupy
 
-    kernel = get_kernel(file, plan.name, device)
+    function = get_kernel(file, plan.name, device).ptr
+    stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
     if cupy.cuda.runtime.getDevice() == device:
-        kernel((plan.grid,), plan.block, args, plan.smem, stream)
+        _launch(cupy, function, plan, stream_ptr, args.extra, device)
     else:
         with cupy.cuda.Device(device):
-            kernel((plan.grid,), plan.block, args, plan.smem, stream)
+            _launch(cupy, function, plan, stream_ptr, args.extra, device)
+
+
+def _launch(cupy, function: int, plan: Launch, stream: int, extra: int, device: int) -> None:
+    driver = cupy.cuda.driver
+    bx, by = plan.block
+    for attempt in range(2):
+        try:
+            return driver.launchKernel(
+                function, plan.grid, 1, 1, bx, by, 1, plan.smem, stream, 0, extra
+            )
+        except driver.CUDADriverError as e:
+            if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
+                raise
+            # A thread that has not used CUDA yet has no current context: make the device's
+            # primary context (where the kernel was loaded) current, and launch again.
+            cupy.cuda.runtime.setDevice(device)

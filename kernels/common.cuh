@@ -105,6 +105,18 @@ __device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
     }
 }
 
+// divmod for a divisor d given with its fast form `magic` = m | k << 32 (cupyconv/_dispatch.py:
+// fast_divisor): for 0 <= a < 2^31, a / d = a m >> k (m < 2^32, k <= 62) without a division.
+__device__ __forceinline__ void divmod_fast(int64 a, int64 d, int64 magic, int64& q, int64& r) {
+    if ((a >> 31) == 0) {
+        q = (int64)(((unsigned long long)(unsigned)a * (unsigned)magic) >> (int)(magic >> 32));
+        r = (int64)((unsigned)a - (unsigned)q * (unsigned)d);
+    } else {
+        q = a / d;
+        r = a - q * d;
+    }
+}
+
 // Work item i of a kernel as three digits (hi, mid, lo) in the mixed radix (n_mid, n_lo), lo
 // fastest. For items handed out grid-stride (warp w of n_warps takes items w, w + n_warps,
 // ...): a warp steps from item to item by adding the digits of n_warps, without a division.

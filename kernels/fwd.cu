@@ -41,6 +41,7 @@ struct FwdParams {
     int64 final_batch_stride, final_c_stride, final_l_stride;
     int64 weight_dtype, bias_dtype, seq_dtype, init_dtype;
     int64 silu_act, x_vec, out_vec, tile_a;  // tile_a: a launch-shape parameter of each kernel
+    int64 div_a, div_b;  // fast divisors (common.cuh: divmod_fast) of a kernel's work index
 };
 
 #define FWD_SIGNATURE                                                                        \
@@ -67,7 +68,8 @@ struct FwdParams {
               seq_dtype = (int)p.seq_dtype, init_dtype = (int)p.init_dtype;                     \
     const int silu_act = (int)p.silu_act, x_vec = (int)p.x_vec, out_vec = (int)p.out_vec,       \
               tile_a = (int)p.tile_a;                                                           \
-    (void)x_vec; (void)out_vec; (void)tile_a;                                                   \
+    const int64 div_a = p.div_a, div_b = p.div_b;                                               \
+    (void)x_vec; (void)out_vec; (void)tile_a; (void)div_a; (void)div_b;                         \
     (void)final_batch_stride; (void)final_c_stride; (void)final_l_stride
 
 // ---------------------------------------------------------------------------------------------
@@ -560,8 +562,8 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl
 
     for (int64 g = grid_warp(); g < n_tiles; g += grid_warps()) {
         int64 bt, strip, b, step;
-        divmod(g, n_strips, bt, strip);
-        divmod(bt, steps_per_row, b, step);
+        divmod_fast(g, n_strips, div_a, bt, strip);
+        divmod_fast(bt, steps_per_row, div_b, b, step);
         const int64 t0 = step * R;
         const int64 c0 = strip * (32 * V) + lane * V;
         if (c0 >= dim) continue;  // (nothing below is collective)

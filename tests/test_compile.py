@@ -59,3 +59,23 @@ def test_block_size_matches_the_kernels_shared_memory():
     text = (kernel_dir() / "fwd.cu").read_text()
     (warps,) = re.findall(r"constexpr int BLOCK_WARPS = (\d+);", text)
     assert STAGED_THREADS == 32 * int(warps)
+
+
+def test_param_fields_match_the_kernel_struct():
+    """The launcher packs FwdParams field by field: FWD_FIELDS must list the struct's fields in
+    its order (all 8-byte, so no padding)."""
+    import re
+
+    from cupyconv._compile import kernel_dir
+    from cupyconv._dispatch import FWD_FIELDS
+
+    text = (kernel_dir() / "fwd.cu").read_text()
+    body = re.search(r"struct FwdParams \{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            assert decl.startswith("int64 "), decl
+            fields += [f.strip() for f in decl[len("int64 ") :].split(",")]
+    assert tuple(fields) == FWD_FIELDS

@@ -11,7 +11,6 @@ import pytest
 
 import cupyconv
 from cupyconv import _arrays, _dispatch, ops
-from cupyconv._dispatch import FWD_FIELDS
 
 
 class FakeCudaArray:
@@ -49,9 +48,8 @@ def launches(monkeypatch):
         return _arrays.describe(FakeCudaArray(shape, strides, dtype), "out")
 
     def fake_launch(file, plan, device, args, stream):
-        fields = np.frombuffer(args[-1].tobytes(), np.int64)
-        params = dict(zip(FWD_FIELDS, (int(f) for f in fields), strict=True))
-        params["pointers"] = args[:-1]
+        params = args.fields
+        params["pointers"] = args.pointers
         record.append((plan.name, plan, params))
 
     monkeypatch.setattr(ops, "empty", fake_empty)
@@ -197,12 +195,15 @@ def test_one_chunk_or_tile_per_warp(launches):
     cupyconv.causal_conv1d_fn(FakeCudaArray((8, 5120, 2048), **half), weight(5120, 4))
     cupyconv.causal_conv1d_fn(FakeCudaArray((64, 1024, 512), **half), weight(1024, 4))
     cupyconv.causal_conv1d_fn(channel_last(8, 5120, 2048, **half), weight(5120, 4))
+    cupyconv.causal_conv1d_fn(channel_last(8, 5124, 2048, **half), weight(5124, 4))
     names = [name for name, _, _ in launches]
     assert names == [
-        "fwd_tc<__half, 4, false, 8>", "fwd_tc<__half, 4, false, 2>", "fwd_cl<__half, 4, false, 16>"
+        "fwd_tc<__half, 4, false, 8>", "fwd_tc<__half, 4, false, 2>",
+        "fwd_cl<__half, 4, false, 16>", "fwd_cl<__half, 4, false, 16>",
     ]  # fmt: skip
     grids = [plan.grid for _, plan, _ in launches]
-    assert grids == [8 * 5120 // 4, 64 * 1024 // 4, 8 * (2048 // 16) * (5120 // 128) // 4]
+    cl_tiles = (8 * (2048 // 16) * (5120 // 128), 8 * (2048 // 16) * -(-5124 // 128))
+    assert grids == [8 * 5120 // 4, 64 * 1024 // 4, cl_tiles[0] // 4, cl_tiles[1] // 4]
 
 
 @pytest.mark.parametrize(
@@ -246,3 +247,20 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name):
     ((launched, plan, _),) = launches
     assert launched == name
     assert plan.smem > 0 if launched.startswith("fwd_mma") else True
+
+
+def test_fast_divisor_is_exact():
+    """divmod_fast (kernels/common.cuh) computes a // d as (a * m) >> k from fast_divisor(d) for
+    every 0 <= a < 2**31: checked at the edges and on random values."""
+    rng = np.random.default_rng(0)
+    divisors = {1, 2, 3, 5, 7, 40, 128, 641, 2**31 - 1, 2**31, 2**40}
+    divisors |= {2**e + o for e in range(1, 31) for o in (-1, 0, 1)}
+    divisors |= {int(d) for d in rng.integers(1, 2**31, 200)}
+    for d in sorted(divisors):
+        magic = _dispatch.fast_divisor(d)
+        m, k = magic & 0xFFFFFFFF, magic >> 32
+        assert m < 2**32 and k <= 62
+        values = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 1, (2**31 - 1) // d * d}
+        values |= {int(a) for a in rng.integers(0, 2**31, 50)}
+        for a in (a for a in values if 0 <= a < 2**31):
+            assert (a * m) >> k == a // d, (a, d)

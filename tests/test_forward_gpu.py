@@ -291,6 +291,20 @@ def test_channel_last_wide_filters(dtype, wdtype, layout):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+@pytest.mark.parametrize("dim", (392, 300, 4), ids=lambda c: f"dim{c}")
+def test_channel_last_lane_vectors(dtype, layout, dim):
+    """16-bit channel-last x in fwd_cl (lane vectors of 4 channels): a last tile of 8 channels
+    (dim 392), rows aligned to 8 bytes only (dim 300; the slices of a 3 dim wide projection),
+    a single lane (dim 4)."""
+    for i, width in enumerate((2, 4, 7)):
+        run_case(
+            2, dim, 151, width, dtype, layout=layout, segments=i, padding=i == 2, init=i != 1,
+            final=True, final_buffer=i == 0, seed=i,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_short_rows_with_states(layout):
     for seqlen, width in ((1, 4), (2, 4), (3, 8), (1, 33)):
@@ -436,6 +450,33 @@ def test_torch_nondefault_stream():
         out = cupyconv.causal_conv1d_fn(x, w)
     side.synchronize()
     assert_close(out, reference.causal_conv1d_fn(x64, w64), "float32")
+
+
+def test_thread_without_cuda_context():
+    """A thread that has not used CUDA yet (no current context) launches correctly."""
+    import threading
+
+    import torch
+
+    rng = np.random.default_rng(12)
+    x64 = rounded(rng, (2, 64, 300), "bfloat16")
+    w64 = rounded(rng, (64, 4), "bfloat16")
+    x, w = to_gpu(x64, "bfloat16"), to_gpu(w64, "bfloat16")
+    out = torch.full_like(x, float("nan"))
+    errors = []
+
+    def call():
+        try:
+            cupyconv.causal_conv1d_fn(x, w, activation="silu", out=out)
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert_close(out, reference.causal_conv1d_fn(x64, w64, activation="silu"), "bfloat16")
 
 
 def test_second_device():
