@@ -316,9 +316,7 @@ FWD_FIELDS = (
 )  # fmt: skip
 
 
-def _operand(a: Array | None, ndim: int) -> tuple:
-    """(pointer, strides...) of an optional operand, zeros when absent."""
-    return (0,) * (1 + ndim) if a is None else (a.ptr, *a.strides)
+_ZEROS = {n: (0,) * n for n in (1, 2, 3)}
 
 
 def forward_args(
@@ -327,17 +325,13 @@ def forward_args(
     """The kernel arguments: the pointers of x, weight, bias, seq_idx, initial_states, out and
     final_states (0 when absent), then FwdParams (fields in FWD_FIELDS order), packed for the
     launcher; memoised per distinct value."""
-    x_ptr, *x_strides = _operand(x, 3)
-    w_ptr, *w_strides = _operand(weight, 2)
-    b_ptr, *b_strides = _operand(bias, 1)
-    s_ptr, *s_strides = _operand(seq_idx, 2)
-    i_ptr, *i_strides = _operand(initial_states, 3)
-    o_ptr, *o_strides = _operand(out, 3)
-    f_ptr, *f_strides = _operand(final_states, 3)
+    s, i, f = seq_idx, initial_states, final_states
     values = (
-        x_ptr, w_ptr, b_ptr, s_ptr, i_ptr, o_ptr, f_ptr,
-        *x.shape, width,
-        *x_strides, *w_strides, *b_strides, *s_strides, *i_strides, *o_strides, *f_strides,
+        x.ptr, weight.ptr, bias.ptr if bias else 0, s.ptr if s else 0, i.ptr if i else 0,
+        out.ptr, f.ptr if f else 0,
+        *x.shape, width, *x.strides, *weight.strides,
+        *(bias.strides if bias else _ZEROS[1]), *(s.strides if s else _ZEROS[2]),
+        *(i.strides if i else _ZEROS[3]), *out.strides, *(f.strides if f else _ZEROS[3]),
         _code(weight), _code(bias), _code(seq_idx), _code(initial_states),
         int(silu), int(launch.x_vec), int(launch.out_vec), launch.tile_a, *launch.divisors,
     )  # fmt: skip

@@ -60,12 +60,14 @@ def shape(a: Array | None, name: str, expected: tuple, described: str) -> None:
     e.g. '(batch, dim, width - 1) from x and weight'."""
     if a is None:
         return
-    ok = len(a.shape) == len(expected) and all(
-        e is None or e == n for e, n in zip(expected, a.shape)
-    )
-    if not ok:
-        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
-        raise ValueError(f"{name} must have shape {described} = {want}; got {a.shape}")
+    if len(a.shape) == len(expected):
+        for e, n in zip(expected, a.shape):  # a plain loop: this runs on every call
+            if e is not None and e != n:
+                break
+        else:
+            return
+    want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+    raise ValueError(f"{name} must have shape {described} = {want}; got {a.shape}")
 
 
 def width(weight: Array) -> int:
