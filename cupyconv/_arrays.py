@@ -170,7 +170,7 @@ def _describe_cupy(a, obj, kind, native=None):
         a.device.id,
         a.data.ptr,
         tuple(a.shape),
-        tuple([s // itemsize for s in a.strides]),
+        tuple(s // itemsize for s in a.strides),
         a.dtype,
         native=a if native is None else native,
     )
@@ -308,27 +308,11 @@ def empty(like: Array, shape, strides, dtype) -> Array:
     import cupy
 
     dtype = np.dtype(dtype)
-    if cupy.cuda.runtime.getDevice() != like.device:
-        with cupy.cuda.Device(like.device):
-            return empty(like, shape, strides, dtype)
-    if all(shape) and strides == _c_strides(shape):
-        a = cupy.empty(shape, dtype)
-    else:
-        size = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
+    size = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
+    with cupy.cuda.Device(like.device):
         flat = cupy.empty(size, dtype)
-        a = cupy.ndarray(shape, dtype, flat.data, tuple([s * dtype.itemsize for s in strides]))
+    a = cupy.ndarray(shape, dtype, flat.data, tuple(s * dtype.itemsize for s in strides))
     return _describe_cupy(a, a, "cupy")
-
-
-_c_order: dict[tuple, tuple[int, ...]] = {}
-
-
-def _c_strides(shape) -> tuple[int, ...]:
-    """Strides (elements) of a dense C-order array of ``shape``; memoised."""
-    strides = _c_order.get(shape)
-    if strides is None:
-        strides = remember(_c_order, shape, dense_strides(shape, range(len(shape))))
-    return strides
 
 
 def _numpy_to_torch_dtype(torch, dtype):

@@ -228,10 +228,10 @@ def _cl_vectors(a: Array, itemsize: int) -> bool:
 def _plan_cl(x, out, name, itemsize) -> Launch:
     batch, dim, seqlen = x.shape
     v = _cl_bytes(itemsize) // itemsize  # channels per lane
-    tiles = batch * -(-seqlen // CL_STEPS[itemsize]) * -(-dim // (32 * v))  # one per warp
-    grid = min(-(-tiles // (STAGED_THREADS // 32)), MAX_GRID)
+    strips, steps = -(-dim // (32 * v)), -(-seqlen // CL_STEPS[itemsize])
+    grid = min(-(-(batch * steps * strips) // (STAGED_THREADS // 32)), MAX_GRID)  # a tile a warp
     out_vec = out.strides[1] == 1 and _cl_vectors(out, itemsize)
-    divisors = (fast_divisor(-(-dim // (32 * v))), fast_divisor(-(-seqlen // CL_STEPS[itemsize])))
+    divisors = (fast_divisor(strips), fast_divisor(steps))  # fwd_cl's n_strips, steps_per_row
     return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, True, out_vec, divisors)
 
 
@@ -354,11 +354,15 @@ class ParamBlock:
 
     __slots__ = ("words", "extra")
     HEADER = 6
+    BUFFER_POINTER, BUFFER_SIZE, END = 1, 2, 0  # CU_LAUNCH_PARAM_* of the CUDA driver API
 
     def __init__(self, values: tuple[int, ...]):
         words = np.empty(self.HEADER + len(values), np.int64)
         addr = words.ctypes.data
-        words[: self.HEADER] = (1, addr + 8 * self.HEADER, 2, addr + 40, 0, 8 * len(values))
+        buffer, size = addr + 8 * self.HEADER, addr + 8 * (self.HEADER - 1)
+        words[: self.HEADER] = (
+            self.BUFFER_POINTER, buffer, self.BUFFER_SIZE, size, self.END, 8 * len(values)
+        )  # fmt: skip
         words[self.HEADER :] = values
         words.flags.writeable = False
         self.words, self.extra = words, addr

@@ -204,6 +204,10 @@ def test_one_chunk_or_tile_per_warp(launches):
     grids = [plan.grid for _, plan, _ in launches]
     cl_tiles = (8 * (2048 // 16) * (5120 // 128), 8 * (2048 // 16) * -(-5124 // 128))
     assert grids == [8 * 5120 // 4, 64 * 1024 // 4, cl_tiles[0] // 4, cl_tiles[1] // 4]
+    # fwd_cl divides its tile index by the strips of 128 channels, then the 16-step tiles a row
+    divisors = [(p["div_a"], p["div_b"]) for _, _, p in launches[2:]]
+    fast = _dispatch.fast_divisor
+    assert divisors == [(fast(5120 // 128), fast(2048 // 16)), (fast(-(-5124 // 128)), fast(128))]
 
 
 @pytest.mark.parametrize(
