@@ -32,7 +32,8 @@ TC_VECTORS = (2, 8)  # fwd_tc: 16-byte vectors per lane (NV) on rows up to TC_SH
 TC_SHORT_ROW = 1024  # and on longer rows
 CL_STEPS = {2: 16, 4: 16, 8: 8}  # fwd_cl: time steps per tile (R in fwd.cu) by itemsize
 CL_WIDE_STEPS = 256  # fwd_cl_wide: time steps per tile (tile_a; 4 warps x a multiple of 8)
-STAGED_THREADS = 128  # fwd_tc, fwd_cl, fwd_mma blocks: 4 warps (BLOCK_WARPS in fwd.cu)
+STAGED_THREADS = 128  # fwd_cl, fwd_mma, fwd_cl_wide blocks: 4 warps (CL_BLOCK_WARPS in fwd.cu)
+TC_BLOCK_WARPS = {2: 4, 8: 1}  # fwd_tc: warps per block by NV (tc_block_warps in fwd.cu)
 WIDE_CHUNK = 16  # taps per chunk in fwd_wide (CH in fwd.cu)
 TILE_THREADS = 128  # fwd_wide blocks
 GENERAL_THREADS = 256
@@ -175,10 +176,12 @@ def _time_vec(a: Array, itemsize: int) -> bool:
 
 def _plan_tc(x, out, nv, name, itemsize) -> Launch:
     batch, dim, seqlen = x.shape
-    chunks = batch * dim * -(-seqlen // (32 * nv * 16 // itemsize))  # one per warp
-    grid = min(-(-chunks // (STAGED_THREADS // 32)), MAX_GRID)
+    per_row = -(-seqlen // (32 * nv * 16 // itemsize))  # chunks, one per warp
+    warps = TC_BLOCK_WARPS[nv]
+    grid = min(-(-(batch * dim * per_row) // warps), MAX_GRID)
     x_vec, out_vec = _time_vec(x, itemsize), _time_vec(out, itemsize)
-    return Launch(name, grid, (STAGED_THREADS, 1), 0, 0, x_vec, out_vec)
+    divisors = (fast_divisor(per_row), fast_divisor(dim))  # fwd_tc's chunks_per_row, dim
+    return Launch(name, grid, (32 * warps, 1), 0, 0, x_vec, out_vec, divisors)
 
 
 def _plan_mma(x, out, width, name, device) -> Launch:

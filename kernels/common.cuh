@@ -194,6 +194,40 @@ __device__ __forceinline__ void widen(const T* src, A* dst) {
     }
 }
 
+// Raw storage of one aligned access of BYTES bytes.
+template <int BYTES> struct RawOf;
+template <> struct RawOf<2> { using type = unsigned short; };
+template <> struct RawOf<4> { using type = unsigned; };
+template <> struct RawOf<8> { using type = uint2; };
+template <> struct RawOf<16> { using type = uint4; };
+
+// A run of N consecutive elements of S is read in accesses of run_width<N, S>() bytes: the
+// widest (at most 16) that N sizeof(S) divides into; its start must be aligned to that width.
+template <int N, typename S>
+__host__ __device__ constexpr int run_width() {
+    constexpr int bytes = N * (int)sizeof(S);
+    return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 2;
+}
+template <int N, typename S>
+__device__ __forceinline__ bool run_aligned(const S* p) {
+    return (reinterpret_cast<unsigned long long>(p) & (run_width<N, S>() - 1)) == 0;
+}
+// dst[i] = A(p[i]) for the run of N elements at p (run_aligned).
+template <int N, typename S, typename A>
+__device__ __forceinline__ void load_run(const S* p, A* dst) {
+    constexpr int W = run_width<N, S>();
+    using Raw = typename RawOf<W>::type;
+    union { Raw raw[N * sizeof(S) / W]; S e[N]; } u;
+    #pragma unroll
+    for (int j = 0; j < N * (int)sizeof(S) / W; ++j) u.raw[j] = reinterpret_cast<const Raw*>(p)[j];
+    if constexpr (N % 2 == 0) {
+        widen<S, A, N>(u.e, dst);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = A(to_acc(u.e[i]));
+    }
+}
+
 // The fast kernels fold SiLU's first multiply into their weights and bias: they accumulate
 // a = s z with s = act_scale<A>(silu_act) (-log2(e) for SiLU in float32, else 1), and
 // silu_scaled(a) = z / (1 + 2^a) = a / (s + s 2^a): one exp2, one FMA, one reciprocal and one

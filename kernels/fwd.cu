@@ -183,13 +183,12 @@ __global__ void fwd_final_states(FWD_SIGNATURE) {
 // ---------------------------------------------------------------------------------------------
 // Helpers shared by the fast kernels.
 
-// Warps per block of fwd_tc and fwd_cl, which size their per-warp shared memory statically
-// (cupyconv/_dispatch.py launches them with STAGED_THREADS = 32 BLOCK_WARPS threads).
-constexpr int BLOCK_WARPS = 4;
-
-template <int BYTES> struct RawOf;
-template <> struct RawOf<8> { using type = uint2; };
-template <> struct RawOf<16> { using type = uint4; };
+// Warps per block of fwd_tc (by its vectors per lane) and fwd_cl, which size their per-warp
+// shared memory statically (cupyconv/_dispatch.py: TC_BLOCK_WARPS, STAGED_THREADS). A block
+// holds its registers until its last warp is done: fwd_tc's long chunks run one warp a block
+// (its short ones four, since an SM holds at most 32 blocks).
+__host__ __device__ constexpr int tc_block_warps(int NV) { return NV > 2 ? 1 : 4; }
+constexpr int CL_BLOCK_WARPS = 4;
 
 template <typename T, int BYTES = 16>
 struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-wide access
@@ -208,14 +207,15 @@ struct Vec {  // one vector of V elements of T, loaded and stored as one BYTES-w
 // before it; wider halos come from the chunk staged in the warp's shared memory by cp.async.
 // Misaligned rows, and a row whose end cuts a vector, are staged element by element instead
 // and stored element by element; positions before the row are zeros or initial_states.
-// Blocks per SM that fwd_tc's register budget is set for: short chunks held in registers need
+// Warps per SM that fwd_tc's register budget is set for: short chunks held in registers need
 // more warps in flight; seq_idx and float64 need more registers per thread.
-__host__ __device__ constexpr int tc_min_blocks(int K, bool SEQ, int NV, int bytes) {
-    return bytes == 8 ? 4 : SEQ ? 5 : NV <= 2 && K - 1 <= 16 / bytes ? 10 : 7;
+__host__ __device__ constexpr int tc_warps(int K, bool SEQ, int NV, int bytes) {
+    return bytes == 8 ? 16 : SEQ ? 20 : NV <= 2 && K - 1 <= 16 / bytes ? 40 : 28;
 }
 
 template <typename T, int K, bool SEQ, int NV>
-__global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, sizeof(T))) fwd_tc(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * tc_block_warps(NV), tc_warps(K, SEQ, NV, sizeof(T)) / tc_block_warps(NV))
+    fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     using Raw = typename Vec<T>::Raw;
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, si
     const int lane = threadIdx.x & 31;
     const int64 chunks_per_row = (seqlen + span - 1) / span;
     const int64 n_chunks = batch * dim * chunks_per_row;
-    __shared__ Raw stage_mem[BLOCK_WARPS][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
+    __shared__ Raw stage_mem[tc_block_warps(NV)][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
     Raw* const stage = stage_mem[threadIdx.x / 32];
     T* const stage_e = reinterpret_cast<T*>(stage);
 
@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, tc_min_blocks(K, SEQ, NV, si
     };
 
     for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
-        int64 row = g, chunk = 0, b, c;
-        if (chunks_per_row > 1) divmod(g, chunks_per_row, row, chunk);
-        divmod(row, dim, b, c);
+        int64 row, chunk, b, c;
+        divmod_fast(g, chunks_per_row, div_a, row, chunk);
+        divmod_fast(row, dim, div_b, b, c);
         const int64 start = chunk * span;
         const int n = (int)min(seqlen - start, (int64)span);  // elements of the chunk in the row
         const T* const xr = x + b * x_batch_stride + c * x_c_stride;
@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // and handed out in order, so that the warps in flight sweep x front to back. Lanes past dim
 // idle.
 template <typename T, int K, bool SEQ, int R>
-__global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) / CL_BLOCK_WARPS) fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
@@ -553,9 +553,10 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl
     constexpr int W = K - 1;    // rows before the tile
     constexpr int ROWS = W + R;
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[BLOCK_WARPS][ROWS * 32];  // per warp: the tile's rows, lane-interleaved
+    __shared__ Raw stage_mem[CL_BLOCK_WARPS][ROWS * 32];  // per warp: the tile's rows, lane-interleaved
     Raw* const stage = stage_mem[threadIdx.x / 32] + lane;
     const A scale = act_scale<A>(silu_act);
+    const bool weight_run = weight_c_stride == K && (K == 1 || weight_width_stride == 1);
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 steps_per_row = (seqlen + R - 1) / R;
     const int64 n_tiles = batch * steps_per_row * n_strips;
@@ -584,22 +585,42 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, SEQ || K > 4 ? 4 : 7) fwd_cl
         if (lo == 0 && hi == ROWS) stage_rows(true);
         else stage_rows(false);
         cp_async_commit();
-        // Weights and bias, scaled for the activation.
+        // Weights and bias, scaled for the activation: a lane's V K weights (and V biases) in
+        // a few wide loads when they are consecutive in memory, else one by one.
         A w[K][V], bias_v[V];
         with_dtype(weight, weight_dtype, [&](auto* wp) {
             const auto* wc = wp + c0 * weight_c_stride;
-            #pragma unroll
-            for (int v = 0; v < V; ++v, wc += weight_c_stride)
+            if (weight_run && run_aligned<V * K>(wp)) {
+                A run[V * K];
+                load_run<V * K>(wc, run);
                 #pragma unroll
-                for (int k = 0; k < K; ++k) w[k][v] = A(to_acc(wc[k * weight_width_stride])) * scale;
+                for (int v = 0; v < V; ++v)
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) w[k][v] = run[v * K + k];
+            } else {
+                #pragma unroll
+                for (int v = 0; v < V; ++v, wc += weight_c_stride)
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) w[k][v] = A(to_acc(wc[k * weight_width_stride]));
+            }
         });
         #pragma unroll
-        for (int v = 0; v < V; ++v) bias_v[v] = A(0);
+        for (int v = 0; v < V; ++v) {
+            bias_v[v] = A(0);
+            #pragma unroll
+            for (int k = 0; k < K; ++k) w[k][v] *= scale;
+        }
         if (bias) {
             with_dtype(bias, bias_dtype, [&](auto* bp) {
-                #pragma unroll
-                for (int v = 0; v < V; ++v) bias_v[v] = A(to_acc(bp[(c0 + v) * bias_stride])) * scale;
+                if (bias_stride == 1 && run_aligned<V>(bp)) {
+                    load_run<V>(bp + c0, bias_v);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < V; ++v) bias_v[v] = A(to_acc(bp[(c0 + v) * bias_stride]));
+                }
             });
+            #pragma unroll
+            for (int v = 0; v < V; ++v) bias_v[v] *= scale;
         }
         int64 ids[SEQ ? ROWS : 1];  // segment ids of the stage rows
         if constexpr (SEQ) {

@@ -49,16 +49,20 @@ def test_instance_table_covers_every_width():
 
 
 def test_block_size_matches_the_kernels_shared_memory():
-    """fwd_tc and fwd_cl size their per-warp shared memory for BLOCK_WARPS warps: the
-    dispatcher must launch exactly that many."""
+    """fwd_tc (by its vectors per lane) and fwd_cl size their per-warp shared memory for
+    tc_block_warps(NV) and CL_BLOCK_WARPS warps: the dispatcher must launch exactly that many."""
     import re
 
     from cupyconv._compile import kernel_dir
-    from cupyconv._dispatch import STAGED_THREADS
+    from cupyconv._dispatch import STAGED_THREADS, TC_BLOCK_WARPS, TC_VECTORS
 
     text = (kernel_dir() / "fwd.cu").read_text()
-    (warps,) = re.findall(r"constexpr int BLOCK_WARPS = (\d+);", text)
-    assert STAGED_THREADS == 32 * int(warps)
+    (cl_warps,) = re.findall(r"constexpr int CL_BLOCK_WARPS = (\d+);", text)
+    assert STAGED_THREADS == 32 * int(cl_warps)
+    rule = r"constexpr int tc_block_warps\(int NV\) \{ return NV > (\d+) \? (\d+) : (\d+); \}"
+    (rule,) = re.findall(rule, text)
+    above, long_warps, short_warps = map(int, rule)
+    assert TC_BLOCK_WARPS == {nv: long_warps if nv > above else short_warps for nv in TC_VECTORS}
 
 
 def test_param_fields_match_the_kernel_struct():

@@ -188,9 +188,9 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
 
 
 def test_one_chunk_or_tile_per_warp(launches):
-    """fwd_tc: a chunk of 32 x 8 vectors of a row per warp (32 x 2 on rows up to 1 KB);
-    fwd_cl: a tile of 16 time steps (16-bit x) x 32 lanes x 4 channels per warp. 4 warps a
-    block."""
+    """fwd_tc: a chunk of 32 x 8 vectors of a row per warp, one warp a block (32 x 2 on rows
+    up to 1 KB, 4 warps a block); fwd_cl: a tile of 16 time steps (16-bit x) x 32 lanes x 4
+    channels per warp, 4 warps a block."""
     half = dict(dtype=np.float16)
     cupyconv.causal_conv1d_fn(FakeCudaArray((8, 5120, 2048), **half), weight(5120, 4))
     cupyconv.causal_conv1d_fn(FakeCudaArray((64, 1024, 512), **half), weight(1024, 4))
@@ -203,11 +203,17 @@ def test_one_chunk_or_tile_per_warp(launches):
     ]  # fmt: skip
     grids = [plan.grid for _, plan, _ in launches]
     cl_tiles = (8 * (2048 // 16) * (5120 // 128), 8 * (2048 // 16) * -(-5124 // 128))
-    assert grids == [8 * 5120 // 4, 64 * 1024 // 4, cl_tiles[0] // 4, cl_tiles[1] // 4]
-    # fwd_cl divides its tile index by the strips of 128 channels, then the 16-step tiles a row
-    divisors = [(p["div_a"], p["div_b"]) for _, _, p in launches[2:]]
+    assert grids == [8 * 5120, 64 * 1024 // 4, cl_tiles[0] // 4, cl_tiles[1] // 4]
+    blocks = [plan.block for _, plan, _ in launches]
+    assert blocks == [(32, 1), (128, 1), (128, 1), (128, 1)]
+    # fwd_tc divides its chunk index by the chunks a row (of 2048 elements; 512 on short rows),
+    # then by dim; fwd_cl its tile index by the strips of 128 channels, then the 16-step tiles a row
+    divisors = [(p["div_a"], p["div_b"]) for _, _, p in launches]
     fast = _dispatch.fast_divisor
-    assert divisors == [(fast(5120 // 128), fast(2048 // 16)), (fast(-(-5124 // 128)), fast(128))]
+    assert divisors == [
+        (fast(1), fast(5120)), (fast(1), fast(1024)),
+        (fast(5120 // 128), fast(2048 // 16)), (fast(-(-5124 // 128)), fast(128)),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(

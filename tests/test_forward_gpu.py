@@ -316,15 +316,41 @@ def test_no_bias_no_activation():
     run_case(2, 40, 500, 4, "bfloat16", layout="cl", bias=False, silu=False)
 
 
-def test_noncontiguous_weight():
+def param_on_gpu(a64, dtype, form):
+    """Weight (C, K) or bias (C,) as a torch CUDA tensor: ``contiguous``, ``strided``
+    (weight strides (1, C); every other element of a bias) or ``misaligned`` (contiguous, one
+    element off an aligned address)."""
     import torch
 
+    t = torch.from_numpy(a64).to(device="cuda", dtype=torch_dtype(dtype))
+    if form == "contiguous":
+        return t.contiguous()
+    if form == "strided" and t.ndim == 2:
+        return t.t().contiguous().t()
+    buf = torch.full((2 * t.numel() + 1,), float("nan"), device="cuda", dtype=t.dtype)
+    if form == "strided":  # a bias
+        view = buf[: 2 * t.numel() : 2]
+    else:
+        view = buf[1 : 1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("form", ("contiguous", "strided", "misaligned"))
+@pytest.mark.parametrize("wdtype", ("bfloat16", "float32"))
+def test_weight_and_bias_layouts(layout, form, wdtype):
+    """fwd_cl reads a lane's taps (and biases) in wide loads when they are consecutive and
+    aligned, else one by one; fwd_tc one per lane: every form gives the same result."""
     rng = np.random.default_rng(3)
-    x64 = rounded(rng, (2, 24, 99), "float32")
-    w64 = rounded(rng, (24, 4), "float32")
-    w = torch.from_numpy(w64).cuda().t().contiguous().t()  # strides (1, 24)
-    out = cupyconv.causal_conv1d_fn(torch.from_numpy(x64).float().cuda(), w, activation="silu")
-    assert_close(out, reference.causal_conv1d_fn(x64, w64, activation="silu"), "float32")
+    for width in (3, 4):
+        x64 = rounded(rng, (2, 264, 99), "bfloat16")
+        w64, b64 = rounded(rng, (264, width), wdtype), rounded(rng, (264,), wdtype)
+        x = to_gpu(x64, "bfloat16", layout)
+        w, b = param_on_gpu(w64, wdtype, form), param_on_gpu(b64, wdtype, form)
+        out = cupyconv.causal_conv1d_fn(x, w, b, activation="silu")
+        want = reference.causal_conv1d_fn(x64, w64, b64, activation="silu")
+        assert_close(out, want, "bfloat16", name=f"out (width {width})")
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice"))
