@@ -214,7 +214,8 @@ __host__ __device__ constexpr int tc_warps(int K, bool SEQ, int NV, int bytes) {
 }
 
 template <typename T, int K, bool SEQ, int NV>
-__global__ void __launch_bounds__(32 * tc_block_warps(NV), tc_warps(K, SEQ, NV, sizeof(T)) / tc_block_warps(NV))
+__global__ void __launch_bounds__(32 * tc_block_warps(NV),
+                                  tc_warps(K, SEQ, NV, sizeof(T)) / tc_block_warps(NV))
     fwd_tc(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
@@ -229,7 +230,8 @@ __global__ void __launch_bounds__(32 * tc_block_warps(NV), tc_warps(K, SEQ, NV, 
     const int lane = threadIdx.x & 31;
     const int64 chunks_per_row = (seqlen + span - 1) / span;
     const int64 n_chunks = batch * dim * chunks_per_row;
-    __shared__ Raw stage_mem[tc_block_warps(NV)][HV + 32 * NV];  // per warp: a chunk and the HV vectors before it
+    // Per warp: a chunk and the HV vectors before it.
+    __shared__ Raw stage_mem[tc_block_warps(NV)][HV + 32 * NV];
     Raw* const stage = stage_mem[threadIdx.x / 32];
     T* const stage_e = reinterpret_cast<T*>(stage);
 
@@ -543,7 +545,8 @@ __global__ void __launch_bounds__(128) fwd_wide(FWD_SIGNATURE) {
 // and handed out in order, so that the warps in flight sweep x front to back. Lanes past dim
 // idle.
 template <typename T, int K, bool SEQ, int R>
-__global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) / CL_BLOCK_WARPS) fwd_cl(FWD_SIGNATURE) {
+__global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) / CL_BLOCK_WARPS)
+    fwd_cl(FWD_SIGNATURE) {
     FWD_UNPACK;
     using A = typename AccOf<T>::type;
     constexpr int BYTES = sizeof(T) == 2 ? 8 : 16;  // 4 half channels keep the registers low
@@ -587,7 +590,7 @@ __global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) 
         cp_async_commit();
         // Weights and bias, scaled for the activation: a lane's V K weights (and V biases) in
         // a few wide loads when they are consecutive in memory, else one by one.
-        A w[K][V], bias_v[V];
+        A w[K][V], bias_v[V] = {};
         with_dtype(weight, weight_dtype, [&](auto* wp) {
             const auto* wc = wp + c0 * weight_c_stride;
             if (weight_run && run_aligned<V * K>(wp)) {
@@ -604,12 +607,6 @@ __global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) 
                     for (int k = 0; k < K; ++k) w[k][v] = A(to_acc(wc[k * weight_width_stride]));
             }
         });
-        #pragma unroll
-        for (int v = 0; v < V; ++v) {
-            bias_v[v] = A(0);
-            #pragma unroll
-            for (int k = 0; k < K; ++k) w[k][v] *= scale;
-        }
         if (bias) {
             with_dtype(bias, bias_dtype, [&](auto* bp) {
                 if (bias_stride == 1 && run_aligned<V>(bp)) {
@@ -619,8 +616,12 @@ __global__ void __launch_bounds__(32 * CL_BLOCK_WARPS, (SEQ || K > 4 ? 16 : 28) 
                     for (int v = 0; v < V; ++v) bias_v[v] = A(to_acc(bp[(c0 + v) * bias_stride]));
                 }
             });
+        }
+        #pragma unroll
+        for (int v = 0; v < V; ++v) {
+            bias_v[v] *= scale;
             #pragma unroll
-            for (int v = 0; v < V; ++v) bias_v[v] *= scale;
+            for (int k = 0; k < K; ++k) w[k][v] *= scale;
         }
         int64 ids[SEQ ? ROWS : 1];  // segment ids of the stage rows
         if constexpr (SEQ) {
