@@ -1,6 +1,6 @@
 """Forward benchmark of ``cupyconv.causal_conv1d_fn`` against a copy of the same bytes.
 
-    PYTHONPATH=. python benchmarks/bench.py [--cases SUBSTR[,SUBSTR...]] [--quick] [--repeats N]
+    python benchmarks/bench.py [--cases SUBSTR[,SUBSTR...]] [--quick] [--repeats N]
                                             [--no-check] [--json PATH] [--png PATH] [--list]
 
 For every case (batch, dim, seqlen, layout, dtype, width, activation, bias) the script
@@ -42,6 +42,11 @@ import dataclasses
 import importlib.util
 import json
 import statistics
+import sys
+from pathlib import Path
+
+# Runs from any directory: the cupyconv of this checkout comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
 #: check takes a spread of channels instead of all of them.

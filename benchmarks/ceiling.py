@@ -1,11 +1,12 @@
 """Copy ceilings on this device: grid-stride CUDA C copies (plain, unrolled) and copies in which each warp walks a contiguous region of its own, against torch copy_.
 
-PYTHONPATH=. python benchmarks/ceiling.py
+python benchmarks/ceiling.py
 """
 
 import sys
+from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any directory
 import cupy as cp
 import torch
 from bench import time_fn

@@ -1,11 +1,12 @@
 """Copy ceilings 2: cache-hinted copies (.cs, .lu) and TMA bulk copies (sm_90: one cp.async.bulk per chunk, stored by a bulk copy or by the threads), against torch copy_.
 
-PYTHONPATH=. python benchmarks/ceiling_tma.py
+python benchmarks/ceiling_tma.py
 """
 
 import sys
+from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any directory
 import cupy as cp
 import torch
 from bench import time_fn

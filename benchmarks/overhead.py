@@ -1,6 +1,6 @@
 """Host overhead of one cupyconv forward call (tiny problem, so the GPU is never the limit).
 
-    PYTHONPATH=. python benchmarks/overhead.py [--profile]
+    python benchmarks/overhead.py [--profile]
 
 Prints microseconds per call for torch and CuPy inputs, measured on the host over many calls
 (the kernel is a few microseconds), and with --profile the hottest Python functions.
@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
+
+# Runs from any directory: the cupyconv of this checkout comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def per_call_us(fn, calls=2000):

@@ -1,23 +1,22 @@
-"""cupyconv: causal depthwise conv1d (forward, backward, decode update) for torch, JAX, CuPy and
-numpy, with CUDA kernels compiled at run time through CuPy (NVRTC).
+"""cupyconv: causal depthwise conv1d for torch, JAX, CuPy and numpy, with CUDA kernels compiled
+at run time through CuPy (NVRTC).
 
     import cupyconv
     out = cupyconv.causal_conv1d_fn(x, weight, bias, activation="silu")
 
-The API keeps the names and arguments of ``causal-conv1d``. ``cupyconv.reference`` is the
-float64 numpy reference every result is tested against.
+The API keeps the names and arguments of ``causal-conv1d``. In this version the forward runs on
+the GPU; the backward, the decode update and the packed-sequence states run on CPU arrays
+(through the float64 reference) and raise NotImplementedError on GPU arrays.
+``cupyconv.reference`` is the float64 numpy reference every result is tested against.
 """
 
 __version__ = "0.1.0"
 
 from . import reference
-from .ops import (
-    causal_conv1d_bwd,
-    causal_conv1d_fn,
-    causal_conv1d_update,
-    causal_conv1d_varlen_states,
-    warmup,
-)
+from .backward import causal_conv1d_bwd
+from .forward import causal_conv1d_fn, warmup
+from .update import causal_conv1d_update
+from .varlen import causal_conv1d_varlen_states
 
 __all__ = [
     "__version__",

@@ -22,8 +22,6 @@ import numpy as np
 
 CPU = -1  # the device of a CPU array
 
-_FLOAT_NAMES = ("float32", "float16", "bfloat16", "float64")
-
 CACHE_ENTRIES = 4096  # most entries of one memo dict; a full one starts over
 
 
@@ -44,8 +42,9 @@ def _bfloat16():
 _dtype_names: dict = {}
 
 
-def _dtype_name(dtype) -> str:
-    """'bfloat16', 'float32', ... (also for torch dtypes numpy cannot name); memoised."""
+def dtype_name(dtype) -> str:
+    """'bfloat16', 'float32', ... for a numpy, ml_dtypes, torch or JAX dtype (also for dtypes
+    numpy cannot name); memoised."""
     name = _dtype_names.get(dtype)
     if name is None:
         name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
@@ -80,7 +79,7 @@ class Array:
         self.shape = shape
         self.strides = strides
         self.dtype = dtype
-        self.dtype_name = _dtype_name(dtype)
+        self.dtype_name = dtype_name(dtype)
         self.native = obj if native is None else native
 
     @property

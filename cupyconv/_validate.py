@@ -12,16 +12,16 @@ from collections.abc import Iterable
 import numpy as np
 
 from ._arrays import Array, describe, describe_optional, remember
+from .reference import ACTIVATIONS
 
 MAX_WIDTH = 256
-ACTIVATIONS = (None, "silu", "swish")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 INDEX_DTYPES = ("int32", "int64")
 
 
 def check_activation(activation) -> bool:
     """True for SiLU, False for the identity."""
-    if activation not in ACTIVATIONS:
+    if not (activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)):
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     return activation is not None
 
@@ -75,6 +75,53 @@ def width(weight: Array) -> int:
     if not 1 <= k <= MAX_WIDTH:
         raise ValueError(f"weight.shape[1] (the width) must be between 1 and {MAX_WIDTH}; got {k}")
     return k
+
+
+def filter_args(weight, bias, dim: int) -> tuple[Array, Array | None, int]:
+    """weight [dim, width] and bias [dim] or None, described and checked: (weight, bias,
+    width)."""
+    w = array(weight, "weight", 2)
+    shape(w, "weight", (dim, None), "(dim, width) with dim = x.shape[1]")
+    k = width(w)
+    b = optional(bias, "bias", 1)
+    shape(b, "bias", (dim,), "(dim,) with dim = x.shape[1]")
+    return w, b, k
+
+
+class ConvArgs:
+    """The arguments of a convolution of x [batch, dim, seqlen] that the forward and the
+    backward share, described and checked once."""
+
+    __slots__ = ("x", "weight", "bias", "seq_idx", "initial_states", "width")
+
+    def named(self) -> tuple[tuple[str, Array | None], ...]:
+        """(name, array) pairs, for the device and overlap checks."""
+        return (
+            ("x", self.x), ("weight", self.weight), ("bias", self.bias),
+            ("seq_idx", self.seq_idx), ("initial_states", self.initial_states),
+        )  # fmt: skip
+
+
+def conv_args(x, weight, bias, seq_idx, initial_states) -> ConvArgs:
+    """x [batch, dim, seqlen]; weight [dim, width]; bias [dim] or None; seq_idx [batch, seqlen]
+    or None; initial_states [batch, dim, width - 1] or None."""
+    a = ConvArgs()
+    a.x = xa = array(x, "x", 3)
+    batch, dim, seqlen = xa.shape
+    a.weight, a.bias, a.width = filter_args(weight, bias, dim)
+    a.seq_idx = optional(seq_idx, "seq_idx", 2, kind="index")
+    shape(a.seq_idx, "seq_idx", (batch, seqlen), "(batch, seqlen) of x")
+    a.initial_states = optional(initial_states, "initial_states", 3)
+    shape(a.initial_states, "initial_states", state_shape(a), STATE_SHAPE)
+    return a
+
+
+STATE_SHAPE = "(batch, dim, width - 1) from x and weight"
+
+
+def state_shape(a: ConvArgs) -> tuple[int, int, int]:
+    batch, dim, _ = a.x.shape
+    return (batch, dim, a.width - 1)
 
 
 def same_device(arrays: Iterable[tuple[str, Array | None]]) -> int:

@@ -1,6 +1,6 @@
 """The float64 numpy reference for every cupyconv operator (the oracle the tests trust).
 
-Pure numpy, written to read like the contract (``design/contract.md``), not to be fast. Every
+Pure numpy, written to read like the semantics (``docs/semantics.md``), not to be fast. Every
 input may be any numpy array (float16, float32, float64 or ``ml_dtypes.bfloat16``); it is
 converted once to float64 (index arrays to int64). Every output is a new float64 array; inputs
 are never modified.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "ACTIVATIONS",
     "causal_conv1d_bwd",
     "causal_conv1d_fn",
     "causal_conv1d_update",
@@ -42,7 +43,8 @@ __all__ = [
     "silu",
 ]
 
-_ACTIVATIONS = (None, "silu", "swish")
+#: The accepted activations: None (the identity), "silu", and "swish" (the same as SiLU).
+ACTIVATIONS = (None, "silu", "swish")
 
 
 def _f64(a) -> np.ndarray:
@@ -55,8 +57,8 @@ def _i64(a) -> np.ndarray:
 
 
 def _use_silu(activation) -> bool:
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}; got {activation!r}")
+    if not (activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)):
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     return activation is not None
 
 

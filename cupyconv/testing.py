@@ -1,12 +1,15 @@
 """Tolerances against the float64 reference, and the comparison every test and benchmark uses.
 
-One per-dtype table (the contract's): outputs, ``dx`` and states use ``TOLERANCES[dtype]``;
-``dweight``/``dbias`` use ``GRAD_TOLERANCE`` with the atol scaled by the reduction size.
+One per-dtype table (``docs/semantics.md``, "Tolerances"): outputs, ``dx`` and states use
+``TOLERANCES[dtype]``; ``dweight``/``dbias`` use ``GRAD_TOLERANCE`` with the atol scaled by the
+reduction size.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ._arrays import dtype_name
 
 __all__ = ["TOLERANCES", "GRAD_TOLERANCE", "tolerance", "to_numpy", "assert_close"]
 
@@ -22,14 +25,9 @@ TOLERANCES = {
 GRAD_TOLERANCE = (1e-3, 1e-3)
 
 
-def _dtype_name(dtype) -> str:
-    name = str(dtype)
-    return name.rsplit(".", 1)[-1]  # "torch.bfloat16" -> "bfloat16"
-
-
 def tolerance(dtype) -> tuple[float, float]:
     """(rtol, atol) for results of ``dtype`` (numpy, ml_dtypes, torch or JAX dtype, or its name)."""
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if name not in TOLERANCES:
         raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}; got {name}")
     return TOLERANCES[name]
@@ -72,7 +70,7 @@ def assert_close(actual, expected, dtype=None, *, rtol=None, atol=None, name="ou
         first = tuple(int(i) for i in np.argwhere(bad)[0])
         ratio = np.nanmax(err / allowed) if np.isfinite(err).any() else np.inf
         raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} elements off (dtype {_dtype_name(dtype)}, "
+            f"{name}: {int(bad.sum())} of {bad.size} elements off (dtype {dtype_name(dtype)}, "
             f"rtol {rtol:g}, atol {atol:g}); max abs error {np.nanmax(err):.3e}, "
             f"{ratio:.2f}x the allowed error; first bad index {first}: "
             f"got {got[first]!r}, expected {want[first]!r}"

@@ -1,4 +1,4 @@
-// common.cuh: types, dtype codes and small device helpers shared by every cupyconv kernel.
+// common.cuh: types and small device helpers shared by every cupyconv kernel.
 //
 // Strides are in elements and 64-bit everywhere. Inputs whose dtype is not a template
 // parameter (weight, bias, states, seq_idx) are passed as `const void*` with a dtype code and
@@ -9,8 +9,9 @@
 
 typedef long long int64;
 
-// Dtype codes; the Python side has the same table (cupyconv/_dispatch.py: DTYPE_CODES).
-enum DtypeCode : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3, I32 = 4, I64 = 5 };
+// The dtype codes of the kernels' dtype fields, `enum DtypeCode { F32, F16, BF16, F64, I32,
+// I64 }`, come with the prelude cupyconv prepends to every source (cupyconv/_kernels.py,
+// from cupyconv/_launch.py: DTYPE_CODES).
 
 // Accumulation type: float32, or float64 for float64 data.
 template <typename T> struct AccOf { using type = float; };
@@ -105,7 +106,7 @@ __device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
     }
 }
 
-// divmod for a divisor d given with its fast form `magic` = m | k << 32 (cupyconv/_dispatch.py:
+// divmod for a divisor d given with its fast form `magic` = m | k << 32 (cupyconv/_launch.py:
 // fast_divisor): for 0 <= a < 2^31, a / d = a m >> k (m < 2^32, k <= 62) without a division.
 __device__ __forceinline__ void divmod_fast(int64 a, int64 d, int64 magic, int64& q, int64& r) {
     if ((a >> 31) == 0) {
@@ -200,6 +201,14 @@ template <> struct RawOf<2> { using type = unsigned short; };
 template <> struct RawOf<4> { using type = unsigned; };
 template <> struct RawOf<8> { using type = uint2; };
 template <> struct RawOf<16> { using type = uint4; };
+
+// One vector of V elements of T, loaded and stored as one BYTES-wide access.
+template <typename T, int BYTES = 16>
+struct Vec {
+    static constexpr int V = BYTES / sizeof(T);
+    using Raw = typename RawOf<BYTES>::type;
+    union { Raw raw; T e[V]; };
+};
 
 // A run of N consecutive elements of S is read in accesses of run_width<N, S>() bytes: the
 // widest (at most 16) that N sizeof(S) divides into; its start must be aligned to that width.

@@ -19,9 +19,11 @@ def gpu_unavailable_reason() -> str | None:
         return f"CuPy is not installed ({e})"
     try:
         if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "no CUDA device"
-    except Exception as e:  # noqa: BLE001 - any CUDA runtime failure means no usable GPU
-        return f"no usable CUDA device ({type(e).__name__}: {e})"
+            return "no CUDA GPU is present"
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        # Without a GPU the CUDA runtime finds no driver (cudaErrorInsufficientDriver or
+        # cudaErrorNoDevice): there is no GPU to test on.
+        return f"no CUDA GPU is present (the CUDA runtime says: {e})"
     return None
 
 

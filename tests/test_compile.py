@@ -1,85 +1,99 @@
-"""Every kernel instance the dispatcher can produce compiles with NVRTC, without a GPU.
+"""Kernel instances compile with NVRTC without a GPU, with the options CuPy passes itself.
 
 Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
-``nvidia-cuda-runtime`` wheels. Instances of one dtype are compiled together in one program per
-target: sm_80 and sm_90 cubins and compute_90 PTX.
+``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles a
+representative set: every forward kernel family for every dtype, for sm_90. The ``sweep`` marker
+(run by ``.ci/run``) compiles every instance the dispatcher can produce for sm_90, several
+instances per NVRTC program and the programs in parallel processes, and the representative set
+for sm_80 and as compute_90 PTX.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 
-from cupyconv._dispatch import C_TYPES, all_forward_instances
+from cupyconv._compile import C_TYPES, compile_offline
+from cupyconv._forward_plan import SOURCES, all_forward_instances
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings wheel")
 pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
 
-ARCHS = ("sm_80", "sm_90", "compute_90")
+PER_PROGRAM = 8  # instances per NVRTC program in the sweep
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", list(C_TYPES))
-def test_forward_instances_compile(dtype, arch):
-    from cupyconv._compile import compile_offline
+def representative() -> dict:
+    """Each kernel family for each dtype: widths 4 and 64, with and without seq_idx."""
+    return all_forward_instances(dtypes=tuple(C_TYPES), widths=(4, 64))
 
-    names = all_forward_instances(dtypes=(dtype,))
-    image = compile_offline("fwd.cu", names, arch)
-    assert len(image) > 1000
+
+def _compile(file: str, names: list[str], arch: str) -> tuple[int, int]:
+    """Compile ``names`` of ``kernels/<file>`` (in a worker process): (instances, image bytes)."""
+    image = compile_offline(SOURCES[file], names, arch)
     if arch.startswith("compute"):
-        text = image.decode()
-        assert ".entry" in text and text.count(".entry") == len(names)
+        assert image.decode().count(".entry") == len(names)
+    return len(names), len(image)
+
+
+def compile_all(instances: dict, arch: str) -> int:
+    """Compile every (source, names) of ``instances`` for ``arch``, PER_PROGRAM instances per
+    program, the programs in parallel processes (the longest first); the number compiled."""
+    jobs = [
+        (source.file, names[i : i + PER_PROGRAM])
+        for source, names in instances.items()
+        for i in range(0, len(names), PER_PROGRAM)
+    ]
+    jobs.sort(key=lambda job: -max(_cost(n) for n in job[1]))
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = pool.map(_compile, *zip(*[(f, n, arch) for f, n in jobs]))
+        return sum(count for count, _ in done)
+
+
+def _cost(name: str) -> int:
+    """A rough compile cost, to start the slowest programs first: the width of fwd_time."""
+    return int(name.split(",")[1]) if name.startswith("fwd_time<") else 0
+
+
+@pytest.mark.parametrize("dtype", list(C_TYPES))
+def test_every_family_compiles(dtype):
+    instances = all_forward_instances(dtypes=(dtype,), widths=(4, 64))
+    for source, names in instances.items():
+        assert len(compile_offline(source, names, "sm_90")) > 1000
+
+
+@pytest.mark.sweep
+def test_every_instance_compiles_for_sm_90():
+    instances = all_forward_instances()
+    assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("arch", ("sm_80", "compute_90"))
+def test_representative_instances_compile(arch):
+    instances = representative()
+    assert compile_all(instances, arch) == sum(len(n) for n in instances.values())
 
 
 def test_compile_error_is_reported():
-    from cupyconv._compile import compile_offline
-
-    with pytest.raises(RuntimeError, match="failed to compile"):
-        compile_offline("fwd.cu", ["fwd_tc<int, 4, false, 8>"], "compute_90")
+    with pytest.raises(RuntimeError, match="fwd_time.cu failed to compile"):
+        compile_offline(SOURCES["fwd_time.cu"], ["fwd_time<int, 4, false, 8, 1>"], "compute_90")
 
 
 def test_instance_table_covers_every_width():
-    names = all_forward_instances(dtypes=("bfloat16",))
+    instances = all_forward_instances(dtypes=("bfloat16",))
+    names = {name for group in instances.values() for name in group}
+    t = "__nv_bfloat16"
     for seq in ("false", "true"):
-        assert f"fwd_tc<__nv_bfloat16, 4, {seq}, 8>" in names
-        assert f"fwd_tc<__nv_bfloat16, 17, {seq}, 8>" in names
-        assert f"fwd_tc<__nv_bfloat16, 18, {seq}, 8>" not in names  # wider: fwd_wide
-        assert f"fwd_wide<__nv_bfloat16, {seq}>" in names
-        assert f"fwd_cl<__nv_bfloat16, 8, {seq}, 16>" in names
-        assert f"fwd_cl<__nv_bfloat16, 9, {seq}, 16>" not in names  # wider: fwd_general
-
-
-def test_block_size_matches_the_kernels_shared_memory():
-    """fwd_tc (by its vectors per lane) and fwd_cl size their per-warp shared memory for
-    tc_block_warps(NV) and CL_BLOCK_WARPS warps: the dispatcher must launch exactly that many."""
-    import re
-
-    from cupyconv._compile import kernel_dir
-    from cupyconv._dispatch import STAGED_THREADS, TC_BLOCK_WARPS, TC_VECTORS
-
-    text = (kernel_dir() / "fwd.cu").read_text()
-    (cl_warps,) = re.findall(r"constexpr int CL_BLOCK_WARPS = (\d+);", text)
-    assert STAGED_THREADS == 32 * int(cl_warps)
-    rule = r"constexpr int tc_block_warps\(int NV\) \{ return NV > (\d+) \? (\d+) : (\d+); \}"
-    (rule,) = re.findall(rule, text)
-    above, long_warps, short_warps = map(int, rule)
-    assert TC_BLOCK_WARPS == {nv: long_warps if nv > above else short_warps for nv in TC_VECTORS}
-
-
-def test_param_fields_match_the_kernel_struct():
-    """The launcher packs FwdParams field by field: FWD_FIELDS must list the struct's fields in
-    its order (all 8-byte, so no padding)."""
-    import re
-
-    from cupyconv._compile import kernel_dir
-    from cupyconv._dispatch import FWD_FIELDS
-
-    text = (kernel_dir() / "fwd.cu").read_text()
-    body = re.search(r"struct FwdParams \{(.*?)\};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if decl:
-            assert decl.startswith("int64 "), decl
-            fields += [f.strip() for f in decl[len("int64 ") :].split(",")]
-    assert tuple(fields) == FWD_FIELDS
+        assert f"fwd_time<{t}, 4, {seq}, 8, 1>" in names
+        assert f"fwd_time<{t}, 17, {seq}, 2, 4>" in names
+        assert f"fwd_time<{t}, 18, {seq}, 8, 1>" not in names  # wider: fwd_time_wide
+        assert f"fwd_time_wide<{t}, {seq}>" in names
+        assert f"fwd_channel<{t}, 8, {seq}, 16, 8>" in names
+        assert f"fwd_channel<{t}, 9, {seq}, 16, 8>" not in names  # wider: the others
+    assert f"fwd_mma<{t}, 9>" in names and f"fwd_mma<{t}, 10>" not in names
+    for source, group in instances.items():  # each instance in its family's file
+        assert all(
+            source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name
+        )

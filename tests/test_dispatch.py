@@ -1,4 +1,5 @@
-"""Which kernel a forward call launches, and with what arguments, for each layout and feature.
+"""Which kernel a forward call launches, and with what arguments, for each layout and feature
+(cupyconv/_forward_plan.py).
 
 Runs without a GPU: the arrays are stand-ins exposing only ``__cuda_array_interface__`` and
 ``__dlpack_device__``, and the launcher records instead of launching.
@@ -8,56 +9,48 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fakes import FakeCudaArray
 
 import cupyconv
-from cupyconv import _arrays, _dispatch, ops
-
-
-class FakeCudaArray:
-    """Metadata of a CUDA array on device 0 (its data is never touched)."""
-
-    _next_ptr = 0x7F0000000000
-
-    def __init__(self, shape, strides=None, dtype=np.float32, offset=0):
-        dtype = np.dtype(dtype)
-        if strides is None:
-            strides = _arrays.dense_strides(shape, tuple(range(len(shape))))
-        FakeCudaArray._next_ptr += 1 << 32
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape),
-            "typestr": dtype.str,
-            "data": (FakeCudaArray._next_ptr + offset * dtype.itemsize, False),
-            "strides": tuple(s * dtype.itemsize for s in strides),
-            "version": 3,
-        }
-
-    def __dlpack_device__(self):
-        return (2, 0)
+from cupyconv import _arrays, _forward_plan, _launch, forward
 
 
 def channel_last(b, c, length, **kw):
     return FakeCudaArray((b, c, length), (length * c, 1, c), **kw)
 
 
+KERNELS = {k.template: k for k in _forward_plan.KERNELS}
+
+
+def params_of(plan, args) -> dict:
+    """The packed arguments of a launch by name: ``pointers``, then the kernel's struct fields
+    (the call's FIELDS and the plan's own, as the prelude declares them)."""
+    values = args.values
+    n = _forward_plan.POINTERS
+    fields = _forward_plan.FIELDS + KERNELS[plan.name.split("<")[0]].plan_fields
+    params = dict(zip(fields, values[n:], strict=True))
+    params["pointers"] = values[:n]
+    return params
+
+
 @pytest.fixture
 def launches(monkeypatch):
-    """Record (kernel name, launch, FwdParams as a dict) instead of launching."""
+    """Record (kernel name, launch, its parameters as a dict) instead of launching."""
     record = []
 
     def fake_empty(like, shape, strides, dtype):
         return _arrays.describe(FakeCudaArray(shape, strides, dtype), "out")
 
-    def fake_launch(file, plan, device, args, stream):
-        params = args.fields
-        params["pointers"] = args.pointers
-        record.append((plan.name, plan, params))
+    def fake_launch(plan, device, args, stream):
+        record.append((plan.name, plan, params_of(plan, args)))
 
-    monkeypatch.setattr(ops, "empty", fake_empty)
-    monkeypatch.setattr(ops, "launch", fake_launch)
-    monkeypatch.setattr(ops, "stream_of", lambda a: None)
-    monkeypatch.setattr(ops, "result", lambda like, arr: arr.obj)
-    monkeypatch.setattr(_dispatch, "resident_blocks", lambda device, name, threads, smem: 132 * 8)
-    monkeypatch.setattr(_dispatch, "_plans", {})
+    monkeypatch.setattr(forward, "empty", fake_empty)
+    monkeypatch.setattr(forward, "launch", fake_launch)
+    monkeypatch.setattr(forward, "stream_of", lambda a: None)
+    monkeypatch.setattr(forward, "result", lambda like, arr: arr.obj)
+    fake_resident = lambda device, source, name, threads, smem: 132 * 8
+    monkeypatch.setattr(_forward_plan, "resident_blocks", fake_resident)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
     return record
 
 
@@ -76,12 +69,12 @@ def CL():  # noqa: N802 - names a layout
 @pytest.mark.parametrize(
     "make_x,width,name",
     [
-        pytest.param(CF, 4, "fwd_tc<float, 4, false, 8>", id="cf-width4"),
-        pytest.param(CF, 17, "fwd_tc<float, 17, false, 8>", id="cf-width17"),
-        pytest.param(CF, 18, "fwd_wide<float, false>", id="cf-width18"),
-        pytest.param(CL, 8, "fwd_cl<float, 8, false, 16>", id="cl-width8"),
-        pytest.param(CL, 9, "fwd_cl_wide<float>", id="cl-width9"),
-        pytest.param(CL, 256, "fwd_cl_wide<float>", id="cl-width256"),
+        pytest.param(CF, 4, "fwd_time<float, 4, false, 8, 1>", id="cf-width4"),
+        pytest.param(CF, 17, "fwd_time<float, 17, false, 8, 1>", id="cf-width17"),
+        pytest.param(CF, 18, "fwd_time_wide<float, false>", id="cf-width18"),
+        pytest.param(CL, 8, "fwd_channel<float, 8, false, 16, 16>", id="cl-width8"),
+        pytest.param(CL, 9, "fwd_channel_wide<float>", id="cl-width9"),
+        pytest.param(CL, 256, "fwd_channel_wide<float>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
             id="time-stride2",
@@ -89,7 +82,7 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), dtype=np.float16),
             4,
-            "fwd_tc<__half, 4, false, 2>",
+            "fwd_time<__half, 4, false, 2, 4>",
             id="cf-float16",
         ),
     ],
@@ -117,7 +110,7 @@ def test_vector_flags_follow_alignment(launches):
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 300), offset=0), weight(64, 4))
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 300), offset=1), weight(64, 4))
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 64, 301)), weight(64, 4))  # odd row stride
-    assert [p["x_vec"] for _, _, p in launches] == [1, 0, 0]
+    assert [p["x_aligned"] for _, _, p in launches] == [1, 0, 0]
 
 
 def test_seq_idx_and_states_select_and_fill(launches):
@@ -129,9 +122,9 @@ def test_seq_idx_and_states_select_and_fill(launches):
         x, weight(64, 4), bias, seq_idx=seq, initial_states=init, return_final_states=True
     )
     (main, _, p), (fin, _, q) = launches
-    assert main == "fwd_tc<float, 4, true, 8>" and fin == "fwd_final_states<float>"
+    assert main == "fwd_time<float, 4, true, 8, 1>" and fin == "fwd_final_states<float>"
     assert (p["seq_dtype"], p["bias_dtype"], p["init_dtype"]) == (4, 1, 0)
-    assert p["pointers"][6] == 0 and q["pointers"][6] != 0  # final_states only in the second
+    assert p["pointers"][6] == q["pointers"][6] != 0
     strides = tuple(s // 4 for s in final.__cuda_array_interface__["strides"])
     assert strides == (3 * 64, 1, 64)  # [batch, width - 1, dim] viewed as [batch, dim, width - 1]
 
@@ -148,7 +141,7 @@ def test_empty_rows_launch_only_the_final_states(launches):
 
 def test_width1_has_no_final_states_launch(launches):
     cupyconv.causal_conv1d_fn(FakeCudaArray((2, 8, 5)), weight(8, 1), return_final_states=True)
-    assert [name for name, _, _ in launches] == ["fwd_tc<float, 1, false, 2>"]
+    assert [name for name, _, _ in launches] == ["fwd_time<float, 1, false, 2, 4>"]
 
 
 def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
@@ -170,26 +163,27 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     cuda = types.SimpleNamespace(runtime=runtime)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setattr(_dispatch, "_resident", {})
+    monkeypatch.setattr(_launch, "_resident", {})
     kernel = types.SimpleNamespace(num_regs=64, shared_size_bytes=0)
-    monkeypatch.setattr(_dispatch, "get_raw_kernel", lambda file, name, device: kernel)
+    monkeypatch.setattr(_launch, "get_raw_kernel", lambda source, name, device: kernel)
+    source = _forward_plan.SOURCES["fwd_mma.cu"]
 
     # 64 registers x 128 threads: 8 blocks; 16 KB of shared memory would allow 13.
-    assert _dispatch.resident_blocks(0, "k", 128, 16 * 1024) == 8 * 132
+    assert _launch.resident_blocks(0, source, "k", 128, 16 * 1024) == 8 * 132
     assert kernel.preferred_shared_memory_carveout == 100
     # 40 KB of shared memory per block: 233472 // (40960 + 1024) = 5 blocks.
-    assert _dispatch.resident_blocks(0, "k", 128, 40 * 1024) == 5 * 132
+    assert _launch.resident_blocks(0, source, "k", 128, 40 * 1024) == 5 * 132
     # 72 registers round up to 2304 per warp: 28 warps, 7 blocks of 4 warps.
     kernel.num_regs = 72
-    assert _dispatch.resident_blocks(0, "k2", 128, 0) == 7 * 132
+    assert _launch.resident_blocks(0, source, "k2", 128, 0) == 7 * 132
     # Above 48 KB the kernel is allowed the dynamic shared memory it is launched with.
-    assert _dispatch.resident_blocks(0, "k3", 128, 60 * 1024) == 3 * 132
+    assert _launch.resident_blocks(0, source, "k3", 128, 60 * 1024) == 3 * 132
     assert kernel.max_dynamic_shared_size_bytes == 60 * 1024
 
 
 def test_one_chunk_or_tile_per_warp(launches):
-    """fwd_tc: a chunk of 32 x 8 vectors of a row per warp, one warp a block (32 x 2 on rows
-    up to 1 KB, 4 warps a block); fwd_cl: a tile of 16 time steps (16-bit x) x 32 lanes x 4
+    """fwd_time: a chunk of 32 x 8 vectors of a row per warp, one warp a block (32 x 2 on rows
+    up to 1 KB, 4 warps a block); fwd_channel: a tile of 16 time steps (16-bit x) x 32 lanes x 4
     channels per warp, 4 warps a block."""
     half = dict(dtype=np.float16)
     cupyconv.causal_conv1d_fn(FakeCudaArray((8, 5120, 2048), **half), weight(5120, 4))
@@ -198,18 +192,23 @@ def test_one_chunk_or_tile_per_warp(launches):
     cupyconv.causal_conv1d_fn(channel_last(8, 5124, 2048, **half), weight(5124, 4))
     names = [name for name, _, _ in launches]
     assert names == [
-        "fwd_tc<__half, 4, false, 8>", "fwd_tc<__half, 4, false, 2>",
-        "fwd_cl<__half, 4, false, 16>", "fwd_cl<__half, 4, false, 16>",
+        "fwd_time<__half, 4, false, 8, 1>", "fwd_time<__half, 4, false, 2, 4>",
+        "fwd_channel<__half, 4, false, 16, 8>", "fwd_channel<__half, 4, false, 16, 8>",
     ]  # fmt: skip
     grids = [plan.grid for _, plan, _ in launches]
     cl_tiles = (8 * (2048 // 16) * (5120 // 128), 8 * (2048 // 16) * -(-5124 // 128))
     assert grids == [8 * 5120, 64 * 1024 // 4, cl_tiles[0] // 4, cl_tiles[1] // 4]
     blocks = [plan.block for _, plan, _ in launches]
     assert blocks == [(32, 1), (128, 1), (128, 1), (128, 1)]
-    # fwd_tc divides its chunk index by the chunks a row (of 2048 elements; 512 on short rows),
-    # then by dim; fwd_cl its tile index by the strips of 128 channels, then the 16-step tiles a row
-    divisors = [(p["div_a"], p["div_b"]) for _, _, p in launches]
-    fast = _dispatch.fast_divisor
+    # fwd_time divides its chunk index by the chunks a row (of 2048 elements; 512 on short rows),
+    # then by dim; fwd_channel its tile index by the strips of 128 channels, then the 16-step
+    # tiles a row
+    divisors = [
+        (p["chunk_divisor"], p["dim_divisor"]) if "chunk_divisor" in p
+        else (p["strip_divisor"], p["step_divisor"])
+        for _, _, p in launches
+    ]  # fmt: skip
+    fast = _launch.fast_divisor
     assert divisors == [
         (fast(1), fast(5120)), (fast(1), fast(1024)),
         (fast(5120 // 128), fast(2048 // 16)), (fast(-(-5124 // 128)), fast(128)),
@@ -227,7 +226,7 @@ def test_channel_last_without_lane_vectors_takes_the_general_kernel(launches, x)
     x = x()
     cupyconv.causal_conv1d_fn(x, weight(x.__cuda_array_interface__["shape"][1], 4))
     ((launched, plan, params),) = launches
-    assert launched == "fwd_general<float>" and params["tile_a"] == 1  # channels fastest
+    assert launched == "fwd_general<float>" and params["channels_fastest"] == 1
 
 
 def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches):
@@ -242,12 +241,18 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
     "xdtype,wdtype,init,width,name",
     [
         (np.float16, np.float16, None, 64, "fwd_mma<__half, 5>"),
-        (np.float16, np.float32, None, 64, "fwd_wide<__half, false>"),  # float16 x: same weights
-        (np.float16, np.float16, np.float32, 64, "fwd_wide<__half, false>"),  # wider states
+        (
+            np.float16,
+            np.float32,
+            None,
+            64,
+            "fwd_time_wide<__half, false>",
+        ),  # float16 x: same weights
+        (np.float16, np.float16, np.float32, 64, "fwd_time_wide<__half, false>"),  # wider states
         (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3>"),
         (np.float16, np.float16, None, 129, "fwd_mma<__half, 9>"),
-        (np.float16, np.float16, None, 130, "fwd_wide<__half, false>"),
-        (np.float32, np.float32, None, 64, "fwd_wide<float, false>"),
+        (np.float16, np.float16, None, 130, "fwd_time_wide<__half, false>"),
+        (np.float32, np.float32, None, 64, "fwd_time_wide<float, false>"),
     ],
 )
 def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name):
@@ -256,7 +261,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name):
     cupyconv.causal_conv1d_fn(x, FakeCudaArray((8, width), dtype=wdtype), initial_states=states)
     ((launched, plan, _),) = launches
     assert launched == name
-    assert plan.smem > 0 if launched.startswith("fwd_mma") else True
+    assert plan.smem == 0 if launched.startswith("fwd_mma") else plan.smem > 0  # mma: static
 
 
 def test_fast_divisor_is_exact():
@@ -267,7 +272,7 @@ def test_fast_divisor_is_exact():
     divisors |= {2**e + o for e in range(1, 31) for o in (-1, 0, 1)}
     divisors |= {int(d) for d in rng.integers(1, 2**31, 200)}
     for d in sorted(divisors):
-        magic = _dispatch.fast_divisor(d)
+        magic = _launch.fast_divisor(d)
         m, k = magic & 0xFFFFFFFF, magic >> 32
         assert m < 2**32 and k <= 62
         values = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 1, (2**31 - 1) // d * d}

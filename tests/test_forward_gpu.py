@@ -281,7 +281,7 @@ def test_tensor_core_widths(dtype, wdtype, layout):
 )
 @pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
 def test_channel_last_wide_filters(dtype, wdtype, layout):
-    """Channel-last widths above 8 without seq_idx (fwd_cl_wide): tiles past the last channel
+    """Channel-last widths above 8 without seq_idx (fwd_channel_wide): tiles past the last channel
     and time step, states before the row, with and without bias and activation."""
     cases = itertools.product((9, 33, 100, 256), ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
     for i, (width, (b, c, length)) in enumerate(cases):
@@ -295,7 +295,7 @@ def test_channel_last_wide_filters(dtype, wdtype, layout):
 @pytest.mark.parametrize("layout", ("cl", "cl_slice"))
 @pytest.mark.parametrize("dim", (392, 300, 4), ids=lambda c: f"dim{c}")
 def test_channel_last_lane_vectors(dtype, layout, dim):
-    """16-bit channel-last x in fwd_cl (lane vectors of 4 channels): a last tile of 8 channels
+    """16-bit channel-last x in fwd_channel (lane vectors of 4 channels): a last tile of 8 channels
     (dim 392), rows aligned to 8 bytes only (dim 300; the slices of a 3 dim wide projection),
     a single lane (dim 4)."""
     for i, width in enumerate((2, 4, 7)):
@@ -340,8 +340,8 @@ def param_on_gpu(a64, dtype, form):
 @pytest.mark.parametrize("form", ("contiguous", "strided", "misaligned"))
 @pytest.mark.parametrize("wdtype", ("bfloat16", "float32"))
 def test_weight_and_bias_layouts(layout, form, wdtype):
-    """fwd_cl reads a lane's taps (and biases) in wide loads when they are consecutive and
-    aligned, else one by one; fwd_tc one per lane: every form gives the same result."""
+    """fwd_channel reads a lane's taps (and biases) in wide loads when they are consecutive and
+    aligned, else one by one; fwd_time one per lane: every form gives the same result."""
     rng = np.random.default_rng(3)
     for width in (3, 4):
         x64 = rounded(rng, (2, 264, 99), "bfloat16")

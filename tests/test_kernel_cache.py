@@ -12,6 +12,9 @@ import types
 import pytest
 
 from cupyconv import _compile
+from cupyconv._forward_plan import SOURCES
+
+TIME, GENERAL = SOURCES["fwd_time.cu"], SOURCES["fwd_general.cu"]
 
 
 class FakeCupy(types.ModuleType):
@@ -55,13 +58,13 @@ def fake_cupy(monkeypatch):
 
 
 def test_racing_threads_compile_once(fake_cupy):
-    name = "fwd_tc<__nv_bfloat16, 4, false, 8>"
+    name = "fwd_time<__nv_bfloat16, 4, false, 8, 1>"
     results = []
     barrier = threading.Barrier(8)
 
     def ask():
         barrier.wait()
-        results.append(_compile.get_kernel("fwd.cu", name, 0))
+        results.append(_compile.get_kernel(TIME, name, 0))
 
     threads = [threading.Thread(target=ask) for _ in range(8)]
     for t in threads:
@@ -73,15 +76,28 @@ def test_racing_threads_compile_once(fake_cupy):
 
 
 def test_memoised_per_device_and_instance(fake_cupy):
-    a = _compile.get_kernel("fwd.cu", "fwd_general<float>", 0)
-    assert _compile.get_kernel("fwd.cu", "fwd_general<float>", 0) is a
-    _compile.get_kernel("fwd.cu", "fwd_general<float>", 1)
-    _compile.get_kernel("fwd.cu", "fwd_general<double>", 0)
+    a = _compile.get_kernel(GENERAL, "fwd_general<float>", 0)
+    assert _compile.get_kernel(GENERAL, "fwd_general<float>", 0) is a
+    _compile.get_kernel(GENERAL, "fwd_general<float>", 1)
+    _compile.get_kernel(GENERAL, "fwd_general<double>", 0)
     assert fake_cupy.built == [("fwd_general<float>",)] * 2 + [("fwd_general<double>",)]
 
 
-def test_source_inlines_the_header():
-    text = _compile.source("fwd.cu")
-    assert '#include "common.cuh"' not in text
-    assert "enum DtypeCode" in text and "fwd_tc" in text
-    assert _compile.source("fwd.cu") is text  # read once
+def test_source_is_the_prelude_then_the_file_with_its_headers_inlined():
+    text = TIME.text
+    assert text.startswith(TIME.prelude)
+    assert '#include "common.cuh"' not in text and '#include "fwd_common.cuh"' not in text
+    assert "__device__ __forceinline__ A input_at(" in text  # fwd_common.cuh
+    assert text.count("typedef long long int64;") == 1  # common.cuh, inlined once
+    assert "fwd_time(FWD_ARRAYS" in text
+    assert TIME.text is text  # read once
+
+
+def test_prelude_declares_the_tables():
+    """The prelude is C++ generated from Python tables: the dtype codes, the constants, and
+    each struct's fields in the given order."""
+    text = _compile.prelude("here", {"RUN": 8, "WARPS": 4}, {"P": ("a", "b_c"), "Q": ()})
+    assert "enum DtypeCode : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3, I32 = 4, I64 = 5 };" in text
+    assert "    RUN = 8,\n    WARPS = 4,\n};" in text
+    assert "struct P { long long a, b_c; };" in text
+    assert "struct Q {};" in text

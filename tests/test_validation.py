@@ -16,6 +16,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+from fakes import FakeCudaArray
 
 import cupyconv
 from cupyconv import reference
@@ -1161,35 +1162,9 @@ def test_jax_output_buffers_are_refused(op, name):
 # ---- devices: a fake CUDA array (metadata only) ----------------------------------------------
 
 
-class FakeCudaArray:
-    """A CUDA array as seen through ``__cuda_array_interface__`` and ``__dlpack_device__``,
-    with a pointer that must never be dereferenced: any attempt to read its data fails the test."""
-
-    def __init__(self, shape, dtype=np.float32, device=0):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.device = device
-        self.__cuda_array_interface__ = dict(
-            shape=self.shape,
-            typestr=self.dtype.str,
-            data=(0x7F0000000000 + 256 * device, False),
-            strides=None,
-            version=3,
-        )
-
-    def __dlpack_device__(self):
-        return (2, self.device)  # (kDLCUDA, device id)
-
-    def __dlpack__(self, *args, **kwargs):
-        raise AssertionError("cupyconv read the data of a fake CUDA array")
-
-    def __array__(self, *args, **kwargs):
-        raise AssertionError("cupyconv copied a fake CUDA array to the host")
-
-
 def _fake(op, name, device):
     good = valid_args(op)[name]
-    return FakeCudaArray(good.shape, good.dtype, device)
+    return FakeCudaArray(good.shape, dtype=good.dtype, device=device)
 
 
 def _device_cases():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cupyconv import _forward_plan
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,8 @@ def test_wheel_installs_and_runs(tmp_path):
         str(tmp_path), str(ROOT), cwd=tmp_path)  # fmt: skip
     (wheel,) = tmp_path.glob("cupyconv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "cupyconv/kernels/fwd.cu" in names and "cupyconv/kernels/common.cuh" in names
+    for source in ("common.cuh", "fwd_common.cuh", *_forward_plan.SOURCES):
+        assert f"cupyconv/kernels/{source}" in names
 
     env_dir = tmp_path / "env"
     venv.create(env_dir, system_site_packages=True, with_pip=True)

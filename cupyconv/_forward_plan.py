@@ -1,0 +1,364 @@
+"""The forward's plan: which kernel a call launches, with what launch shape and parameters.
+
+Everything here works on ``Array`` descriptions (pointers, shapes, element strides), never on
+framework objects. The kernels live in ``kernels/fwd_*.cu``; what they share with this plan is
+defined here once and reaches them through the generated prelude:
+
+- ``CONSTANTS``: launch constants the same for every instance (``constexpr int`` in C++);
+- the parameter structs: every forward kernel takes ``FIELDS`` (set from the call) followed by
+  the fields its own plan sets (``Kernel.plan_fields``), one struct per kernel.
+
+Choices that differ between instances (widths, vectors per lane, warps per block, tile steps)
+are template arguments, written into the instance names by :func:`forward_kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._arrays import Array, remember
+from ._compile import C_TYPES, Source, prelude
+from ._launch import MAX_GRID, Launch, ParamBlock, dtype_code, fast_divisor, pack, resident_blocks
+
+# Launch constants shared with the kernels. Measurements behind each number:
+# benchmarks/NOTES.md, "Occupancy and tile sizes".
+CONSTANTS = {
+    "GENERAL_RUN": 8,  # fwd_general: consecutive outputs per thread
+    "TIME_WIDE_THREADS": 128,  # fwd_time_wide: threads per block (rows x threads per row)
+    "TIME_WIDE_BYTES": 32,  # fwd_time_wide: bytes of a thread's outputs (8 float32 outputs)
+    "TIME_WIDE_CHUNK": 16,  # fwd_time_wide: taps per chunk (taps are zero-padded to chunks)
+    "TIME_WIDE_BANK_RUN": 32,  # fwd_time_wide: a staged row gains TIME_WIDE_BANK_PAD slots
+    "TIME_WIDE_BANK_PAD": 4,  # every TIME_WIDE_BANK_RUN slots (no bank conflicts)
+    "MMA_BLOCKS": 8,  # fwd_mma: 128-output blocks per tile
+    "MMA_WARPS": 4,  # fwd_mma: warps per block
+    "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
+    "CHANNEL_WIDE_CHANNELS": 32,  # fwd_channel_wide: channels per tile (one per lane)
+    "CHANNEL_WIDE_STEPS": 256,  # fwd_channel_wide: time steps per tile
+    "CHANNEL_WIDE_WARPS": 4,  # fwd_channel_wide: warps per block
+}
+TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_mma, fwd_time_wide
+MMA_MAX_WIDTH = 129  # fwd_mma (16-bit x, tensor cores) up to this width: K - 1 <= 16 (KS - 1)
+CHANNEL_MAX_WIDTH = 8  # fwd_channel up to this width; wider channel-contiguous x: the others
+# fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
+# and on longer rows.
+TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
+# fwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize.
+CHANNEL_TILES = {2: (16, 8), 4: (16, 16), 8: (8, 16)}
+GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
+TIME_WIDE_SMEM_BUDGET = 48 * 1024  # fwd_time_wide: most shared memory per block
+WIDTHS = range(1, 257)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+#: The parameter fields every forward kernel takes from the call, after its seven pointers
+#: (x, weight, bias, seq_idx, initial_states, out, final_states; 0 when absent).
+FIELDS = (
+    "batch", "dim", "seqlen", "width",
+    "x_batch_stride", "x_c_stride", "x_l_stride",
+    "weight_c_stride", "weight_width_stride", "bias_stride",
+    "seq_batch_stride", "seq_l_stride",
+    "init_batch_stride", "init_c_stride", "init_l_stride",
+    "out_batch_stride", "out_c_stride", "out_l_stride",
+    "final_batch_stride", "final_c_stride", "final_l_stride",
+    "weight_dtype", "bias_dtype", "seq_dtype", "init_dtype",
+    "silu_act",
+)  # fmt: skip
+POINTERS = 7
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A forward kernel template: its source file, its parameter struct and the fields of that
+    struct its plan sets (after ``FIELDS``)."""
+
+    template: str
+    file: str
+    params: str
+    plan_fields: tuple[str, ...] = ()
+
+    def launch(self, name: str, grid: int, block: tuple[int, int], smem: int = 0, **fields):
+        """A Launch of instance ``name``, with the plan fields given by name."""
+        if set(fields) != set(self.plan_fields):
+            raise TypeError(f"{self.template} takes {self.plan_fields}; got {tuple(fields)}")
+        values = tuple(int(fields[f]) for f in self.plan_fields)
+        return Launch(SOURCES[self.file], name, grid, block, smem, values)
+
+
+_ALIGNED = ("x_aligned", "out_aligned")  # rows of x / out start on the kernel's vectors
+TIME = Kernel(
+    "fwd_time", "fwd_time.cu", "FwdTimeParams", (*_ALIGNED, "chunk_divisor", "dim_divisor")
+)
+MMA = Kernel("fwd_mma", "fwd_mma.cu", "FwdMmaParams", _ALIGNED)
+TIME_WIDE = Kernel(
+    "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
+    (*_ALIGNED, "halo", "taps", "row_slots", "weights_at", "ids_at"),
+)  # fmt: skip
+CHANNEL = Kernel(
+    "fwd_channel", "fwd_channel.cu", "FwdChannelParams",
+    ("out_aligned", "strip_divisor", "step_divisor"),
+)  # fmt: skip
+CHANNEL_WIDE = Kernel(
+    "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams", ("weights_at",)
+)
+GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",))
+FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
+KERNELS = (TIME, MMA, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
+
+PRELUDE = prelude(
+    "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)",
+    CONSTANTS,
+    {k.params: FIELDS + k.plan_fields for k in KERNELS},
+)
+SOURCES = {k.file: Source(k.file, PRELUDE) for k in KERNELS}
+
+
+def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
+    """The dispatch table: the forward kernel (source, template instance) for each layout of x
+    of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
+    TIME_SHORT_ROW bytes; "time_mma" replaces them above TIME_MAX_WIDTH where tensor cores are
+    exact (``tensor_cores``); "channel" serves channel-contiguous x in lane vectors; "general"
+    any strides; "final_states" the final states."""
+    t = C_TYPES[dtype]
+    s = "true" if seq else "false"
+    steps, lane_bytes = CHANNEL_TILES[ITEMSIZE[dtype]]
+    table = {"general": (GENERAL, f"fwd_general<{t}>")}
+    for kind, (vectors, warps) in (
+        ("time_short", TIME_SHORT_CHUNK),
+        ("time_long", TIME_LONG_CHUNK),
+    ):
+        if width <= TIME_MAX_WIDTH:
+            table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
+        else:
+            table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
+    if TIME_MAX_WIDTH < width <= MMA_MAX_WIDTH and dtype in ("bfloat16", "float16") and not seq:
+        table["time_mma"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}>")
+    if width <= CHANNEL_MAX_WIDTH:
+        table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
+    elif not seq:
+        table["channel"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
+    else:
+        table["channel"] = table["general"]
+    table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")
+    return {kind: (SOURCES[kernel.file], name) for kind, (kernel, name) in table.items()}
+
+
+def _mma_steps(width: int) -> int:
+    """KS of fwd_mma: k-steps of 16 inputs, D = 16 (KS - 1) >= width - 1."""
+    return -(-(width - 1) // 16) + 1
+
+
+def tensor_cores(x: Array, weight: Array, initial_states: Array | None) -> bool:
+    """Whether fwd_mma computes exactly what the float32 kernels do: bfloat16 x (any weights,
+    split into two bfloat16 parts), or float16 x and weights; initial_states (staged with x)
+    of x's dtype."""
+    if x.dtype_name == "bfloat16":
+        ok = True
+    else:
+        ok = x.dtype_name == "float16" and weight.dtype_name == "float16"
+    return ok and (initial_states is None or initial_states.dtype_name == x.dtype_name)
+
+
+def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> dict[Source, list[str]]:
+    """Every forward template instance the dispatcher can produce for these dtypes and widths,
+    by source."""
+    found: dict[Source, set[str]] = {}
+    for d in dtypes:
+        for w in widths:
+            for seq in (False, True):
+                for source, name in forward_kernels(d, w, seq).values():
+                    found.setdefault(source, set()).add(name)
+    return {source: sorted(names) for source, names in found.items()}
+
+
+# ---- launch shapes ---------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _aligned(a: Array, itemsize: int, strides, nbytes: int = 16) -> bool:
+    """Base pointer and the given strides (element counts) aligned to ``nbytes``."""
+    return a.ptr % nbytes == 0 and all((s * itemsize) % nbytes == 0 for s in strides)
+
+
+def _outer_strides(a: Array, dims) -> list[int]:
+    return [a.strides[d] for d in dims if a.shape[d] > 1]
+
+
+_plans: dict[tuple, Launch] = {}
+
+
+def plan_forward(
+    x: Array,
+    out: Array,
+    weight: Array,
+    initial_states: Array | None,
+    width: int,
+    has_seq: bool,
+    device: int,
+) -> Launch:
+    """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
+    whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
+    mma = width > TIME_MAX_WIDTH and tensor_cores(x, weight, initial_states)
+    key = (
+        device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
+        out.ptr % 16,
+    )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = remember(_plans, key, _plan_forward(x, out, width, has_seq, device, mma))
+    return plan
+
+
+def _plan_forward(
+    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: bool
+) -> Launch:
+    batch, dim, seqlen = x.shape
+    itemsize = ITEMSIZE[x.dtype_name]
+    table = forward_kernels(x.dtype_name, width, has_seq)
+    _, x_c, x_l = x.strides
+    if x_l == 1 or (seqlen == 1 and x_c != 1):
+        if mma and "time_mma" in table:
+            return _plan_mma(x, out, table["time_mma"][1], device)
+        if width > TIME_MAX_WIDTH:
+            return _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize)
+        short = seqlen * itemsize <= TIME_SHORT_ROW
+        name = table["time_short" if short else "time_long"][1]
+        return _plan_time(x, out, TIME_SHORT_CHUNK if short else TIME_LONG_CHUNK, name, itemsize)
+    if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, itemsize):
+        return _plan_channel(x, out, table["channel"][1], itemsize)
+    if x_c == 1 and width > CHANNEL_MAX_WIDTH and not has_seq:
+        return _plan_channel_wide(x, width, table["channel"][1], itemsize, device)
+    runs = batch * dim * -(-seqlen // CONSTANTS["GENERAL_RUN"])
+    grid = min(-(-runs // GENERAL_THREADS), MAX_GRID)
+    return GENERAL.launch(
+        table["general"][1], grid, (GENERAL_THREADS, 1), channels_fastest=abs(x_c) < abs(x_l)
+    )
+
+
+def _time_vectors(a: Array, itemsize: int) -> bool:
+    """Whether the time-contiguous rows of ``a`` start on 16-byte boundaries."""
+    return (a.strides[2] == 1 or a.shape[2] == 1) and _aligned(
+        a, itemsize, _outer_strides(a, (0, 1))
+    )
+
+
+def _plan_time(x, out, chunk, name, itemsize) -> Launch:
+    batch, dim, seqlen = x.shape
+    vectors, warps = chunk
+    per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks, one per warp
+    grid = min(-(-(batch * dim * per_row) // warps), MAX_GRID)
+    return TIME.launch(
+        name, grid, (32 * warps, 1), x_aligned=_time_vectors(x, itemsize),
+        out_aligned=_time_vectors(out, itemsize), chunk_divisor=fast_divisor(per_row),
+        dim_divisor=fast_divisor(dim),
+    )  # fmt: skip
+
+
+def _plan_mma(x, out, name, device) -> Launch:
+    batch, dim, seqlen = x.shape
+    threads = 32 * CONSTANTS["MMA_WARPS"]
+    tiles = batch * dim * -(-seqlen // (128 * CONSTANTS["MMA_BLOCKS"]))
+    # The kernel's shared memory is static: resident_blocks reads it from the compiled kernel.
+    resident = resident_blocks(device, SOURCES[MMA.file], name, threads, 0)
+    grid = min(-(-tiles // CONSTANTS["MMA_WARPS"]), resident)
+    return MMA.launch(
+        name, grid, (threads, 1), x_aligned=_time_vectors(x, 2), out_aligned=_time_vectors(out, 2)
+    )
+
+
+def _bank_padded(slots: int) -> int:
+    """fwd_time_wide's ``padded``: slot index after the bank padding."""
+    return slots + slots // CONSTANTS["TIME_WIDE_BANK_RUN"] * CONSTANTS["TIME_WIDE_BANK_PAD"]
+
+
+def _plan_time_wide(x, out, width, has_seq, name, itemsize) -> Launch:
+    """Rows of the tile, threads per row, and the block's shared memory: each row's slots (its
+    K-1 halo rounded up to 4, the tile, padding), then each row's zero-padded taps, then (with
+    seq_idx) each row's segment ids."""
+    batch, dim, seqlen = x.shape
+    n = CONSTANTS["TIME_WIDE_BYTES"] // itemsize  # outputs per thread
+    acc = 8 if itemsize == 8 else 4
+    chunk, threads = CONSTANTS["TIME_WIDE_CHUNK"], CONSTANTS["TIME_WIDE_THREADS"]
+    per_row = min(threads, _pow2_at_least(-(-seqlen // n)))  # threads per row
+    halo = (width - 1 + 3) // 4 * 4
+    taps = -(-(halo + 1) // chunk) * chunk
+    row_slots = _bank_padded(-(-(taps + per_row * n) // 32) * 32)
+    row_bytes = (row_slots + taps) * acc + (row_slots * 8 if has_seq else 0)
+    rows = threads // per_row
+    while rows > 1 and rows * row_bytes > TIME_WIDE_SMEM_BUDGET:
+        rows //= 2
+    weights_at = rows * row_slots * acc
+    ids_at = weights_at + rows * taps * acc
+    smem = ids_at + (rows * row_slots * 8 if has_seq else 0)
+    n_tiles = -(-(batch * dim) // rows) * -(-seqlen // (per_row * n))
+    return TIME_WIDE.launch(
+        name, min(n_tiles, MAX_GRID), (per_row, rows), smem,
+        x_aligned=_time_vectors(x, itemsize), out_aligned=_time_vectors(out, itemsize),
+        halo=halo, taps=taps, row_slots=row_slots, weights_at=weights_at, ids_at=ids_at,
+    )  # fmt: skip
+
+
+def _channel_vectors(a: Array, itemsize: int) -> bool:
+    """Whether channel-contiguous ``a`` splits into fwd_channel's aligned lane vectors."""
+    nbytes = CHANNEL_TILES[itemsize][1]
+    whole = a.shape[1] % (nbytes // itemsize) == 0
+    return whole and _aligned(a, itemsize, _outer_strides(a, (0, 2)), nbytes)
+
+
+def _plan_channel(x, out, name, itemsize) -> Launch:
+    batch, dim, seqlen = x.shape
+    steps, lane_bytes = CHANNEL_TILES[itemsize]
+    v = lane_bytes // itemsize  # channels per lane
+    strips, steps_per_row = -(-dim // (32 * v)), -(-seqlen // steps)
+    warps = CONSTANTS["CHANNEL_WARPS"]
+    grid = min(-(-(batch * steps_per_row * strips) // warps), MAX_GRID)  # a tile a warp
+    return CHANNEL.launch(
+        name, grid, (32 * warps, 1),
+        out_aligned=out.strides[1] == 1 and _channel_vectors(out, itemsize),
+        strip_divisor=fast_divisor(strips), step_divisor=fast_divisor(steps_per_row),
+    )  # fmt: skip
+
+
+def _plan_channel_wide(x, width, name, itemsize, device) -> Launch:
+    """The block's shared memory: the tile's STEPS + K - 1 input rows, then its K weight rows,
+    each of CHANNELS values of the accumulation type."""
+    batch, dim, seqlen = x.shape
+    acc = 8 if itemsize == 8 else 4
+    steps, channels = CONSTANTS["CHANNEL_WIDE_STEPS"], CONSTANTS["CHANNEL_WIDE_CHANNELS"]
+    weights_at = (steps + width - 1) * channels * acc
+    smem = weights_at + width * channels * acc
+    threads = 32 * CONSTANTS["CHANNEL_WIDE_WARPS"]
+    tiles = batch * -(-seqlen // steps) * -(-dim // channels)
+    grid = min(tiles, resident_blocks(device, SOURCES[CHANNEL_WIDE.file], name, threads, smem))
+    return CHANNEL_WIDE.launch(name, grid, (threads, 1), smem, weights_at=weights_at)
+
+
+def plan_final_states(x: Array, width: int) -> Launch:
+    batch, dim, _ = x.shape
+    total = batch * dim * (width - 1)
+    grid = min(-(-total // GENERAL_THREADS), MAX_GRID)
+    name = forward_kernels(x.dtype_name, width, False)["final_states"][1]
+    return FINAL_STATES.launch(name, grid, (GENERAL_THREADS, 1))
+
+
+# ---- the typed argument builder --------------------------------------------------------------
+
+_ZEROS = {n: (0,) * n for n in (1, 2, 3)}
+
+
+def forward_args(
+    launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu
+) -> ParamBlock:
+    """The kernel arguments: the pointers of x, weight, bias, seq_idx, initial_states, out and
+    final_states (0 when absent), then the kernel's struct: FIELDS, then the plan's fields."""
+    s, i, f = seq_idx, initial_states, final_states
+    return pack((
+        x.ptr, weight.ptr, bias.ptr if bias else 0, s.ptr if s else 0, i.ptr if i else 0,
+        out.ptr, f.ptr if f else 0,
+        *x.shape, width, *x.strides, *weight.strides,
+        *(bias.strides if bias else _ZEROS[1]), *(s.strides if s else _ZEROS[2]),
+        *(i.strides if i else _ZEROS[3]), *out.strides, *(f.strides if f else _ZEROS[3]),
+        dtype_code(weight), dtype_code(bias), dtype_code(seq_idx), dtype_code(initial_states),
+        int(silu), *launch.plan_fields,
+    ))  # fmt: skip

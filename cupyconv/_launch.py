@@ -1,0 +1,158 @@
+"""Launching a planned kernel: the launch description every operator's plan returns, the packed
+parameter block, the launch on a stream through the driver API, and the occupancy query.
+
+Operator-agnostic: a :class:`Launch` carries its own source, so nothing here names a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._arrays import remember
+from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel
+
+MAX_GRID = 2**31 - 1  # most blocks along x
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a plan decides it: template instance ``name`` of ``source``,
+    ``grid`` blocks of ``block`` = (x, y) threads with ``smem`` bytes of dynamic shared memory,
+    and ``plan_fields``: the values of the parameter fields the plan sets, which follow the
+    call's own fields in the kernel's parameter struct."""
+
+    source: Source
+    name: str
+    grid: int
+    block: tuple[int, int]
+    smem: int = 0
+    plan_fields: tuple[int, ...] = ()
+
+
+def dtype_code(a) -> int:
+    """The dtype code of an optional array description (0 when absent)."""
+    return 0 if a is None else DTYPE_CODES[a.dtype_name]
+
+
+class ParamBlock:
+    """Kernel parameters as cuLaunchKernel takes them in its ``extra`` argument: one buffer laid
+    out as the kernels declare their parameters (8-byte pointers, then the 8-byte fields of the
+    parameter struct: no padding anywhere). ``words`` holds, as int64, the ``extra`` list
+    [BUFFER_POINTER, &words[6], BUFFER_SIZE, &words[5], END], the buffer's size, then the
+    buffer; ``extra`` is its address. Never written after it is built, so launches from any
+    thread may share it."""
+
+    __slots__ = ("words", "extra")
+    HEADER = 6
+    BUFFER_POINTER, BUFFER_SIZE, END = 1, 2, 0  # CU_LAUNCH_PARAM_* of the CUDA driver API
+
+    def __init__(self, values: tuple[int, ...]):
+        words = np.empty(self.HEADER + len(values), np.int64)
+        addr = words.ctypes.data
+        buffer, size = addr + 8 * self.HEADER, addr + 8 * (self.HEADER - 1)
+        words[: self.HEADER] = (
+            self.BUFFER_POINTER, buffer, self.BUFFER_SIZE, size, self.END, 8 * len(values)
+        )  # fmt: skip
+        words[self.HEADER :] = values
+        words.flags.writeable = False
+        self.words, self.extra = words, addr
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        """The packed parameters, in order."""
+        return tuple(int(v) for v in self.words[self.HEADER :])
+
+
+_blocks: dict[tuple, ParamBlock] = {}
+
+
+def pack(values: tuple[int, ...]) -> ParamBlock:
+    """The parameter block of ``values`` (pointers, then struct fields); memoised per value."""
+    block = _blocks.get(values)
+    if block is None:
+        block = remember(_blocks, values, ParamBlock(values))
+    return block
+
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def launch(plan: Launch, device: int, params: ParamBlock, stream) -> None:
+    """Launch ``plan`` with ``params`` on ``stream`` (an object with ``.ptr``, or None for
+    CuPy's current stream) through the driver API."""
+    import cupy
+
+    function = get_kernel(plan.source, plan.name, device).ptr
+    stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
+    if cupy.cuda.runtime.getDevice() == device:
+        _launch(cupy, function, plan, stream_ptr, params.extra, device)
+    else:
+        with cupy.cuda.Device(device):
+            _launch(cupy, function, plan, stream_ptr, params.extra, device)
+
+
+def _launch(cupy, function: int, plan: Launch, stream: int, extra: int, device: int) -> None:
+    driver = cupy.cuda.driver
+    bx, by = plan.block
+    for attempt in range(2):
+        try:
+            return driver.launchKernel(
+                function, plan.grid, 1, 1, bx, by, 1, plan.smem, stream, 0, extra
+            )
+        except driver.CUDADriverError as e:
+            if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
+                raise
+            # A thread that has not used CUDA yet has no current context: make the device's
+            # primary context (where the kernel was loaded) current, and launch again.
+            cupy.cuda.runtime.setDevice(device)
+
+
+# ---- occupancy: how many blocks of a kernel the device holds at once ------------------------
+
+_resident: dict[tuple, int] = {}
+
+
+def resident_blocks(device: int, source: Source, name: str, threads: int, smem: int) -> int:
+    """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory of kernel
+    ``name`` that fit on the whole device at once (the grid of a grid-stride kernel that runs
+    in one wave), counting the kernel's static shared memory too. A kernel with shared memory
+    gets all of L1 that can be shared memory (the carveout), and the dynamic size it asks for."""
+    key = (device, source.file, name, threads, smem)
+    blocks = _resident.get(key)
+    if blocks is None:
+        from cupy.cuda import runtime as rt
+
+        raw = get_raw_kernel(source, name, device)
+        if smem or raw.shared_size_bytes:
+            raw.preferred_shared_memory_carveout = 100
+        if smem > 48 * 1024:
+            raw.max_dynamic_shared_size_bytes = smem
+
+        def attr(a):
+            return rt.deviceGetAttribute(a, device)
+
+        warps = -(-threads // 32)
+        regs_per_warp = -(-raw.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
+        block_smem = smem + raw.shared_size_bytes + attr(rt.cudaDevAttrReservedSharedMemoryPerBlock)
+        per_sm = min(
+            attr(rt.cudaDevAttrMaxRegistersPerMultiprocessor) // regs_per_warp // warps,
+            attr(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor) // block_smem,
+            attr(rt.cudaDevAttrMaxThreadsPerMultiProcessor) // (warps * 32),
+            attr(rt.cudaDevAttrMaxBlocksPerMultiprocessor),
+        )
+        blocks = _resident[key] = max(1, per_sm) * attr(rt.cudaDevAttrMultiProcessorCount)
+    return blocks
+
+
+def fast_divisor(d: int) -> int:
+    """The divisor d (>= 1) as divmod_fast in kernels/common.cuh takes it: m | k << 32 such that
+    a // d == a * m >> k for every 0 <= a < 2**31 (m = ceil(2**k / d) with k = 31 + ceil(log2 d):
+    m d - 2**k < d <= 2**(k - 31), which makes the quotient exact; Granlund and Montgomery,
+    "Division by invariant integers using multiplication", 1994). 0 for d >= 2**31, where every
+    such a // d is 0."""
+    if d >= 2**31:
+        return 0
+    k = 31 + (d - 1).bit_length()
+    return -(-(1 << k) // d) | k << 32

@@ -1,0 +1,158 @@
+"""The forward operator, ``causal_conv1d_fn``: GPU arrays launch the kernels its plan picks
+(``cupyconv/_forward_plan.py``, ``kernels/fwd_*.cu``); CPU arrays run the float64 reference.
+
+A call goes straight through: describe and check the arguments once (``_ForwardCall``), then
+either the reference, or: look the plan up, allocate the outputs, pack the arguments, launch,
+return the results in the caller's framework.
+"""
+
+from __future__ import annotations
+
+from . import _validate as v
+from . import reference
+from ._arrays import Array, dense_strides, empty, result, stream_of, strides_like
+from ._compile import get_kernel
+from ._forward_plan import forward_args, plan_final_states, plan_forward
+from ._host import host, output
+from ._launch import launch
+
+__all__ = ["causal_conv1d_fn", "warmup"]
+
+
+def causal_conv1d_fn(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+    *,
+    out=None,
+):
+    """Causal depthwise conv1d: ``out[b,c,t] = act(bias[c] + sum_k weight[c,k] * x[b,c,t-K+1+k])``.
+
+    Equivalent to ``F.conv1d(x, weight.unsqueeze(1), bias, padding=K-1, groups=dim)[..., :seqlen]``
+    followed by the activation, plus seq_idx masking and initial/final states
+    (``docs/semantics.md``). Runs on the GPU for GPU arrays and through the float64 reference
+    for CPU arrays.
+
+    x:              [batch, dim, seqlen], any strides; float32, float16, bfloat16 or float64
+    weight:         [dim, width], 1 <= width <= 256, any float dtype
+    bias:           [dim] or None, any float dtype
+    seq_idx:        [batch, seqlen] int32/int64 or None; tokens of different ids do not mix,
+                    negative ids are padding (output 0)
+    initial_states: [batch, dim, width - 1] or None: the inputs before t = 0
+    return_final_states: also return final_states [batch, dim, width - 1] (dtype of x), written
+                    into final_states_out when given, else laid out [batch, width - 1, dim]
+    activation:     None, "silu" or "swish"
+    out:            optional [batch, dim, seqlen] buffer of x's dtype, any strides, not
+                    overlapping x
+    Returns out, or (out, final_states). Results come back in x's framework, on x's device and
+    (for torch) on the current stream.
+    """
+    call = _ForwardCall(
+        x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+        activation, out,
+    )  # fmt: skip
+    return _forward_gpu(call) if call.conv.x.on_gpu else _forward_cpu(call)
+
+
+def warmup(*args, **kwargs) -> None:
+    """Compile and load the kernels that ``causal_conv1d_fn(*args, **kwargs)`` would launch,
+    without launching them (call before capturing a CUDA graph). Takes the arguments of
+    ``causal_conv1d_fn``; CPU arrays need nothing."""
+    call = _ForwardCall(*args, **kwargs)
+    if call.conv.x.on_gpu:
+        for plan in call.plans():
+            get_kernel(plan.source, plan.name, call.device)
+
+
+class _ForwardCall:
+    """The arguments of one forward call, described and checked once."""
+
+    __slots__ = ("conv", "final_states_out", "out", "silu", "return_final_states", "device")
+
+    def __init__(
+        self,
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+        out=None,
+    ):
+        self.silu = v.check_activation(activation)
+        self.return_final_states = v.check_flag(return_final_states, "return_final_states")
+        self.conv = a = v.conv_args(x, weight, bias, seq_idx, initial_states)
+        final = None
+        if return_final_states:
+            final = v.optional(final_states_out, "final_states_out", 3)
+            v.shape(final, "final_states_out", v.state_shape(a), v.STATE_SHAPE)
+            v.same_dtype(final, "final_states_out", a.x, "x")
+        self.final_states_out = final
+        self.out = v.optional(out, "out", 3)
+        v.shape(self.out, "out", a.x.shape, "(batch, dim, seqlen) of x")
+        v.same_dtype(self.out, "out", a.x, "x")
+        inputs = a.named()
+        self.device = v.same_device(inputs + (("final_states_out", final), ("out", self.out)))
+        v.writable(self.out, "out", inputs)
+        v.writable(final, "final_states_out", inputs + (("out", self.out),))
+
+    def plans(self, out: Array | None = None) -> list:
+        """The launches of this call on the GPU (none for empty arrays), with ``out`` the output
+        written (default: a dense one like x)."""
+        a = self.conv
+        batch, dim, seqlen = a.x.shape
+        launches = []
+        if batch * dim * seqlen > 0:
+            target = out or self.out or a.x
+            has_seq = a.seq_idx is not None
+            plan = plan_forward(
+                a.x, target, a.weight, a.initial_states, a.width, has_seq, self.device
+            )
+            launches.append(plan)
+        if self.return_final_states and batch * dim * (a.width - 1) > 0:
+            launches.append(plan_final_states(a.x, a.width))
+        return launches
+
+
+def _forward_gpu(call: _ForwardCall):
+    a = call.conv
+    x = a.x
+    batch, dim, seqlen = x.shape
+    out = call.out or empty(x, x.shape, strides_like(x), x.dtype)
+    final = None
+    if call.return_final_states:
+        shape = (batch, dim, a.width - 1)  # laid out [batch, width - 1, dim]
+        final = call.final_states_out or empty(x, shape, dense_strides(shape, (0, 2, 1)), x.dtype)
+    stream = stream_of(x)
+    seq_idx = a.seq_idx if seqlen > 0 else None  # no token, no segment id to read
+    for plan in call.plans(out):
+        args = forward_args(
+            plan, x, a.weight, a.bias, seq_idx, a.initial_states, out, final, a.width, call.silu
+        )
+        launch(plan, call.device, args, stream)
+    result_out = call.out.obj if call.out is not None else result(x, out)
+    if final is None:
+        return result_out
+    given = call.final_states_out
+    return result_out, given.obj if given is not None else result(x, final)
+
+
+def _forward_cpu(call: _ForwardCall):
+    a = call.conv
+    res = reference.causal_conv1d_fn(
+        host(a.x), host(a.weight), host(a.bias), host(a.seq_idx), host(a.initial_states),
+        return_final_states=call.return_final_states,
+        activation="silu" if call.silu else None,
+    )  # fmt: skip
+    out64, final64 = res if call.return_final_states else (res, None)
+    out = output(call.out, a.x, out64)
+    if final64 is None:
+        return out
+    return out, output(call.final_states_out, a.x, final64, order=(0, 2, 1))
