@@ -137,7 +137,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
         table["channel"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
     else:
         table["channel"] = table["general"]
-    table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")
+    table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (SOURCES[kernel.file], name) for kind, (kernel, name) in table.items()}
 
 
@@ -335,11 +335,15 @@ def _plan_channel_wide(x, width, name, itemsize, device) -> Launch:
 
 
 def plan_final_states(x: Array, width: int) -> Launch:
+    """One thread per element of the final states; memoised per shape."""
     batch, dim, _ = x.shape
-    total = batch * dim * (width - 1)
-    grid = min(-(-total // GENERAL_THREADS), MAX_GRID)
-    name = forward_kernels(x.dtype_name, width, False)["final_states"][1]
-    return FINAL_STATES.launch(name, grid, (GENERAL_THREADS, 1))
+    key = (x.dtype_name, batch, dim, width)
+    plan = _plans.get(key)
+    if plan is None:
+        grid = min(-(-batch * dim * (width - 1) // GENERAL_THREADS), MAX_GRID)
+        name = f"fwd_final_states<{C_TYPES[x.dtype_name]}>"
+        plan = remember(_plans, key, FINAL_STATES.launch(name, grid, (GENERAL_THREADS, 1)))
+    return plan
 
 
 # ---- the typed argument builder --------------------------------------------------------------

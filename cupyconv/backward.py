@@ -12,17 +12,9 @@ __all__ = ["causal_conv1d_bwd"]
 
 
 def causal_conv1d_bwd(
-    x,
-    weight,
-    bias,
-    dout,
-    seq_idx=None,
-    initial_states=None,
-    dfinal_states=None,
-    dx=None,
-    return_dinitial_states=False,
-    activation=None,
-):
+    x, weight, bias, dout, seq_idx=None, initial_states=None, dfinal_states=None, dx=None,
+    return_dinitial_states=False, activation=None,
+):  # fmt: skip
     """The vector-Jacobian product of ``causal_conv1d_fn`` (CPU arrays in this version).
 
     x, dout: [batch, dim, seqlen]; weight: [dim, width]; bias: [dim] or None;

@@ -8,6 +8,8 @@ return the results in the caller's framework.
 
 from __future__ import annotations
 
+import inspect
+
 from . import _validate as v
 from . import reference
 from ._arrays import Array, dense_strides, empty, result, stream_of, strides_like
@@ -63,7 +65,9 @@ def warmup(*args, **kwargs) -> None:
     """Compile and load the kernels that ``causal_conv1d_fn(*args, **kwargs)`` would launch,
     without launching them (call before capturing a CUDA graph). Takes the arguments of
     ``causal_conv1d_fn``; CPU arrays need nothing."""
-    call = _ForwardCall(*args, **kwargs)
+    bound = inspect.signature(causal_conv1d_fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = _ForwardCall(**bound.arguments)
     if call.conv.x.on_gpu:
         for plan in call.plans():
             get_kernel(plan.source, plan.name, call.device)
@@ -75,17 +79,9 @@ class _ForwardCall:
     __slots__ = ("conv", "final_states_out", "out", "silu", "return_final_states", "device")
 
     def __init__(
-        self,
-        x,
-        weight,
-        bias=None,
-        seq_idx=None,
-        initial_states=None,
-        return_final_states=False,
-        final_states_out=None,
-        activation=None,
-        out=None,
-    ):
+        self, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+        activation, out,
+    ):  # fmt: skip
         self.silu = v.check_activation(activation)
         self.return_final_states = v.check_flag(return_final_states, "return_final_states")
         self.conv = a = v.conv_args(x, weight, bias, seq_idx, initial_states)

@@ -148,14 +148,9 @@ class _Conv:
 
 
 def causal_conv1d_fn(
-    x,
-    weight,
-    bias=None,
-    seq_idx=None,
-    initial_states=None,
-    return_final_states=False,
+    x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
     activation=None,
-):
+):  # fmt: skip
     """Causal depthwise conv1d with optional packed sequences and carried states, in float64.
 
     ::
@@ -191,15 +186,8 @@ def causal_conv1d_fn(
 
 
 def causal_conv1d_bwd(
-    x,
-    weight,
-    bias,
-    dout,
-    seq_idx=None,
-    initial_states=None,
-    dfinal_states=None,
-    activation=None,
-):
+    x, weight, bias, dout, seq_idx=None, initial_states=None, dfinal_states=None, activation=None
+):  # fmt: skip
     """Vector-Jacobian product of :func:`causal_conv1d_fn`, in float64.
 
     ::
@@ -256,14 +244,8 @@ def causal_conv1d_bwd(
 
 
 def causal_conv1d_update(
-    x,
-    conv_state,
-    weight,
-    bias=None,
-    activation=None,
-    cache_seqlens=None,
-    conv_state_indices=None,
-):
+    x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None
+):  # fmt: skip
     """One decode step (or a few tokens) against a rolling state, in float64; no in-place write.
 
     ::

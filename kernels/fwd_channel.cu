@@ -23,15 +23,16 @@ template <typename T, int K, bool SEQ, int R, int BYTES>
 __global__ void __launch_bounds__(32 * CHANNEL_WARPS, channel_warps_per_sm(K, SEQ) / CHANNEL_WARPS)
     fwd_channel(FWD_ARRAYS, const __grid_constant__ FwdChannelParams p) {
     using A = typename AccOf<T>::type;
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 x_batch_stride = p.x_batch_stride, x_l_stride = p.x_l_stride;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 init_batch_stride = p.init_batch_stride, init_c_stride = p.init_c_stride, init_l_stride = p.init_l_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype;
-    const int init_dtype = (int)p.init_dtype, silu_act = (int)p.silu_act, out_aligned = (int)p.out_aligned;
-    const int64 strip_divisor = p.strip_divisor, step_divisor = p.step_divisor;
+    // The parameters this kernel reads, as locals.
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                init_batch_stride = p.init_batch_stride, init_c_stride = p.init_c_stride,
+                init_l_stride = p.init_l_stride, out_batch_stride = p.out_batch_stride,
+                out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride,
+                strip_divisor = p.strip_divisor, step_divisor = p.step_divisor;
+    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
+              init_dtype = (int)p.init_dtype, silu_act = (int)p.silu_act, out_aligned = (int)p.out_aligned;
     using VecT = Vec<T, BYTES>;
     using Raw = typename VecT::Raw;
     constexpr int V = VecT::V;  // channels per lane

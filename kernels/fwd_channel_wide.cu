@@ -16,12 +16,11 @@ template <typename T>
 __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
     fwd_channel_wide(FWD_ARRAYS, const __grid_constant__ FwdChannelWideParams p) {
     using A = typename AccOf<T>::type;
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype;
-    const int silu_act = (int)p.silu_act;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
+    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
+              silu_act = (int)p.silu_act;
     constexpr int CW = CHANNEL_WIDE_CHANNELS;                 // channels per tile
     constexpr int TT = CHANNEL_WIDE_STEPS;                    // time steps per tile
     constexpr int RW = TT / CHANNEL_WIDE_WARPS;               // time steps per warp

@@ -13,12 +13,10 @@
 template <typename T>
 __global__ void fwd_general(FWD_ARRAYS, const __grid_constant__ FwdGeneralParams p) {
     using A = typename AccOf<T>::type;
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype;
-    const int silu_act = (int)p.silu_act, channels_fastest = (int)p.channels_fastest;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride;
+    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
+              silu_act = (int)p.silu_act, channels_fastest = (int)p.channels_fastest;
     constexpr int R = GENERAL_RUN;
     const int64 n_runs = (seqlen + R - 1) / R;
     const int64 total = batch * dim * n_runs;
@@ -67,11 +65,11 @@ __global__ void fwd_general(FWD_ARRAYS, const __grid_constant__ FwdGeneralParams
                 if (seq_idx) ids[R - 1] = seg(s_next);
             }
         }
-        T* const orow = out + b * out_batch_stride + c * out_c_stride;
+        T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride;
         #pragma unroll
         for (int r = 0; r < R; ++r)
             if (t0 + r < seqlen)
-                orow[(t0 + r) * out_l_stride] = from_acc<T>(finish(acc[r], seq_idx && sid[r] < 0, silu_act));
+                orow[(t0 + r) * p.out_l_stride] = from_acc<T>(finish(acc[r], seq_idx && sid[r] < 0, silu_act));
     }
 }
 

@@ -56,13 +56,12 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 x_batch_stride = p.x_batch_stride, x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype;
-    const int silu_act = (int)p.silu_act, x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
+    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
+              silu_act = (int)p.silu_act, x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
     constexpr int D = 16 * (KS - 1);          // inputs before a block's first output
     constexpr int NB = MMA_BLOCKS;            // 128-output blocks per tile
     constexpr int SPAN = 128 * NB;            // outputs per tile

@@ -28,14 +28,13 @@ template <typename T, int K, bool SEQ, int NV, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, time_warps_per_sm(K, SEQ, NV, sizeof(T)) / WARPS)
     fwd_time(FWD_ARRAYS, const __grid_constant__ FwdTimeParams p) {
     using A = typename AccOf<T>::type;
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 x_batch_stride = p.x_batch_stride, x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act;
-    const int x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
-    const int64 chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_c_stride = p.x_c_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride,
+                chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor;
+    const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
+              x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
     using Raw = typename Vec<T>::Raw;
     constexpr int VN = Vec<T>::V;               // elements per 16-byte vector
     constexpr int HV = (K - 1 + VN - 1) / VN;   // halo vectors

@@ -46,13 +46,12 @@ __global__ void __launch_bounds__(TIME_WIDE_THREADS)
     constexpr int N = TIME_WIDE_BYTES / sizeof(T);  // outputs per thread
     constexpr int CH = TIME_WIDE_CHUNK;             // taps per chunk
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int64 x_batch_stride = p.x_batch_stride, x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride;
-    const int64 weight_c_stride = p.weight_c_stride, weight_width_stride = p.weight_width_stride;
-    const int64 bias_stride = p.bias_stride;
-    const int64 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
-    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype;
-    const int silu_act = (int)p.silu_act, x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
+    const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
+              silu_act = (int)p.silu_act, x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
 
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int H = (int)p.halo;                        // halo slots
