@@ -1,4 +1,4 @@
-"""A float64 model of the tensor-core forward (kernels/fwd.cu: fwd_mma) with the exact PTX
+"""A float64 model of the tensor-core forward (kernels/fwd_mma.cu) with the exact PTX
 m16n8k16 fragment layouts: checks the index mapping of the A (Toeplitz weights, read from the
 zero-padded weight row), B (inputs, read as 8-byte words of the staged window) and C (outputs,
 stored as adjacent pairs) fragments, with the kernel's permutations of k and of the rows,
