@@ -13,6 +13,7 @@ the GPU; the backward, the decode update and the packed-sequence states run on C
 __version__ = "0.1.0"
 
 from . import reference
+from ._validate import debug
 from .backward import causal_conv1d_bwd
 from .forward import causal_conv1d_fn, warmup
 from .update import causal_conv1d_update
@@ -24,6 +25,7 @@ __all__ = [
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "causal_conv1d_varlen_states",
+    "debug",
     "reference",
     "warmup",
 ]

@@ -69,6 +69,7 @@ class Array:
         "dtype",
         "dtype_name",
         "native",
+        "odd_strides",
     )
 
     def __init__(self, obj, kind, device, ptr, shape, strides, dtype, native=None):
@@ -81,6 +82,7 @@ class Array:
         self.dtype = dtype
         self.dtype_name = dtype_name(dtype)
         self.native = obj if native is None else native
+        self.odd_strides = None  # byte strides, where they are not whole elements
 
     @property
     def ndim(self) -> int:
@@ -94,30 +96,17 @@ class Array:
     def device_name(self) -> str:
         return "cpu" if self.device == CPU else f"cuda:{self.device}"
 
-    def span(self) -> tuple[int, int]:
-        """[first, last] byte addresses the array can touch (for overlap checks)."""
-        lo, hi = _extent(self.shape, self.strides, self.dtype)
-        return self.ptr + lo, self.ptr + hi
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize if isinstance(self.dtype, np.dtype) else 1
 
-
-_extents: dict[tuple, tuple[int, int]] = {}
-
-
-def _extent(shape, strides, dtype) -> tuple[int, int]:
-    """Byte offsets of the first and last byte an array of this layout can touch, relative to
-    its base pointer ((0, -1) when empty); memoised."""
-    key = (shape, strides, dtype)
-    extent = _extents.get(key)
-    if extent is None:
-        itemsize = dtype.itemsize if isinstance(dtype, np.dtype) else 1
-        if any(n == 0 for n in shape):
-            extent = (0, -1)
-        else:
-            lo = sum(s * (n - 1) for s, n in zip(strides, shape) if s < 0)
-            hi = sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0)
-            extent = (lo * itemsize, (hi + 1) * itemsize - 1)
-        remember(_extents, key, extent)
-    return extent
+    @property
+    def byte_strides(self) -> tuple[int, ...]:
+        """Strides in bytes (exact also where a numpy view's strides are not whole elements)."""
+        if self.odd_strides is not None:
+            return self.odd_strides
+        itemsize = self.itemsize
+        return tuple(s * itemsize for s in self.strides)
 
 
 # ---- torch -----------------------------------------------------------------------------------
@@ -141,8 +130,16 @@ def _torch_to_numpy_dtype(torch, dtype):
 
 
 def _describe_torch(torch, t, name):
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
     if t.is_cuda:
         index = t.get_device()
+        if t.is_neg():
+            raise ValueError(
+                f"{name} has torch's negative bit set (a lazily negated view, such as the "
+                "imaginary part of a conjugate); the kernels read its memory as it is: pass "
+                f"{name}.resolve_neg()"
+            )
     elif t.is_cpu:
         index = CPU
     else:
@@ -161,8 +158,9 @@ def _describe_torch(torch, t, name):
 # ---- CuPy, JAX, numpy and other producers ----------------------------------------------------
 
 
-def _describe_cupy(a, obj, kind, native=None):
+def _describe_cupy(a, obj, kind, native=None, name="x"):
     itemsize = a.dtype.itemsize
+    _whole_elements(a.strides, itemsize, name)
     return Array(
         obj,
         kind,
@@ -177,7 +175,7 @@ def _describe_cupy(a, obj, kind, native=None):
 
 def _describe_numpy(a, obj, kind):
     itemsize = a.dtype.itemsize
-    return Array(
+    arr = Array(
         obj,
         kind,
         CPU,
@@ -187,6 +185,9 @@ def _describe_numpy(a, obj, kind):
         a.dtype,
         native=a,
     )
+    if any(s % itemsize for s in a.strides):  # numpy computes with these; record the bytes
+        arr.odd_strides = tuple(a.strides)
+    return arr
 
 
 def _describe_jax(jax, a, name):
@@ -206,7 +207,16 @@ def _describe_jax(jax, a, name):
         return _describe_numpy(host, a, "jax")
     import cupy
 
-    return _describe_cupy(cupy.from_dlpack(a), a, "jax")
+    return _describe_cupy(cupy.from_dlpack(a), a, "jax", name=name)
+
+
+def _whole_elements(byte_strides, itemsize: int, name: str) -> None:
+    """GPU kernels index whole elements: refuse strides that are not."""
+    if any(s % itemsize for s in byte_strides):
+        raise ValueError(
+            f"{name} must have strides that are whole elements on the GPU; got byte strides "
+            f"{tuple(byte_strides)} for itemsize {itemsize}"
+        )
 
 
 def _describe_cuda_interface(obj, name):
@@ -216,12 +226,18 @@ def _describe_cuda_interface(obj, name):
     if cai.get("strides") is None:
         strides = tuple(int(np.prod(shape[i + 1 :], dtype=np.int64)) for i in range(len(shape)))
     else:
+        _whole_elements(cai["strides"], dtype.itemsize, name)
         strides = tuple(s // dtype.itemsize for s in cai["strides"])
     if hasattr(obj, "__dlpack_device__"):
         device = int(obj.__dlpack_device__()[1])
     else:
-        import cupy
-
+        try:
+            import cupy
+        except ImportError:
+            raise TypeError(
+                f"{name} is a CUDA array (__cuda_array_interface__), which needs CuPy; CuPy is "
+                "not installed (pip install cupyconv[cuda13] or cupyconv[cuda12])"
+            ) from None
         device = cupy.cuda.runtime.pointerGetAttributes(cai["data"][0]).device
     return Array(obj, "cuda", device, cai["data"][0], shape, strides, dtype)
 
@@ -239,7 +255,7 @@ def describe(obj, name: str) -> Array:
         return _describe_torch(torch, obj, name)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(obj, cupy.ndarray):
-        return _describe_cupy(obj, obj, "cupy")
+        return _describe_cupy(obj, obj, "cupy", name=name)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(obj, jax.Array):
         return _describe_jax(jax, obj, name)
@@ -252,7 +268,7 @@ def describe(obj, name: str) -> Array:
         if device_type == _KDLCUDA:
             import cupy
 
-            return _describe_cupy(cupy.from_dlpack(obj), obj, "cuda")
+            return _describe_cupy(cupy.from_dlpack(obj), obj, "cuda", name=name)
     raise TypeError(
         f"{name} must be an array (torch, CuPy, JAX or numpy); got {type(obj).__name__}"
     )

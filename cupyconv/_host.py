@@ -15,7 +15,7 @@ def host(a: Array | None) -> np.ndarray | None:
     if a is None:
         return None
     if a.kind == "torch":
-        t = a.obj.detach()
+        t = a.obj.detach().resolve_neg()  # (a lazily negated view: its values, copied)
         if a.dtype_name == "bfloat16":
             t = t.float()
         return t.numpy()

@@ -1,17 +1,24 @@
-"""Checks of every public call, on metadata only, before anything is launched or written.
+"""Checks of every public call, before anything is launched or written.
 
 Each failure raises ValueError or TypeError naming the argument, what was expected and what was
-given. Values are never read (that would need a host synchronisation): out-of-range seq_idx,
-cache_seqlens, conv_state_indices or cu_seqlens values are the caller's responsibility.
+given. The checks read metadata only, with one exception: the values of index arguments
+(cu_seqlens, conv_state_indices) are checked where reading them is free, on CPU arrays. On GPU
+arrays that would need a host synchronisation, so there their values are the caller's
+responsibility, unless debug mode is on (``debug()`` or the environment variable
+CUPYCONV_DEBUG=1), which copies them to the host and checks them too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from collections.abc import Iterable
 
 import numpy as np
 
 from ._arrays import Array, describe, describe_optional, remember
+from ._overlap import views_overlap
 from .reference import ACTIVATIONS
 
 MAX_WIDTH = 256
@@ -50,6 +57,12 @@ def _checked(a: Array, name: str, ndim, kind: str) -> Array:
         want = " or ".join(str(n) for n in ndims)
         raise ValueError(f"{name} must have {want} dimensions; got shape {a.shape}")
     allowed = FLOAT_DTYPES if kind == "float" else INDEX_DTYPES
+    if isinstance(a.dtype, np.dtype) and not a.dtype.isnative:
+        native = a.dtype.newbyteorder("=")
+        raise TypeError(
+            f"{name} must be in the machine's byte order; got a byte-swapped {native.name} "
+            f"array (dtype {a.dtype.str}; convert it with .astype({native.name!r}))"
+        )
     if a.dtype_name not in allowed:
         raise TypeError(f"{name} must have dtype among {', '.join(allowed)}; got {a.dtype_name}")
     return a
@@ -145,8 +158,10 @@ def same_dtype(a: Array | None, name: str, ref: Array, ref_name: str) -> None:
 
 
 def writable(a: Array | None, name: str, inputs: Iterable[tuple[str, Array | None]]) -> None:
-    """An output buffer must be writable, have no element twice, and share no memory with the
-    inputs, given as (name, array) pairs."""
+    """An output buffer must be writable now (so that nothing is written before a refusal):
+    not a JAX array, not read-only, not a torch tensor that autograd tracks or an inference
+    tensor outside inference mode; no element twice; and no byte shared with any of the other
+    arguments, given as (name, array) pairs (``_overlap.views_overlap``: exact)."""
     if a is None:
         return
     if a.kind == "jax":
@@ -155,61 +170,126 @@ def writable(a: Array | None, name: str, inputs: Iterable[tuple[str, Array | Non
         )
     if a.kind == "numpy" and not a.native.flags.writeable:
         raise ValueError(f"{name} must be writable; got a read-only numpy array")
+    if a.kind == "torch":
+        _torch_writable(a.obj, name)
     if _self_overlapping(a):
         raise ValueError(
             f"{name} must not have overlapping elements; got shape {a.shape} strides {a.strides}"
         )
-    lo, hi = a.span()
     for n, other in inputs:
-        if other is None or other.device != a.device:
-            continue
-        olo, ohi = other.span()
-        if lo <= ohi and olo <= hi and _may_share(a, other):
+        if other is not None and other.device == a.device and views_overlap(a, other):
             raise ValueError(f"{name} must not share memory with {n}")
 
 
-def _may_share(a: Array, b: Array) -> bool:
-    """Whether two arrays with overlapping byte spans can share an element. Exact when both
-    have the same strides and itemsize (slices of one buffer, say); conservative otherwise."""
-    itemsize = np.dtype(a.dtype).itemsize
-    if a.strides != b.strides or np.dtype(b.dtype).itemsize != itemsize or _self_overlapping(a):
-        return True
-    offset, rem = divmod(b.ptr - a.ptr, itemsize)
-    if rem:
-        return True  # misaligned views of one buffer: treat as sharing
-    dims = sorted(((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1), reverse=True)
+def _torch_writable(t, name: str) -> None:
+    if t.requires_grad:
+        raise ValueError(
+            f"{name} must not require grad: cupyconv writes it in place, which autograd cannot "
+            f"record; got a tensor with requires_grad=True (pass {name}.detach())"
+        )
+    if t.is_inference():
+        import torch
 
-    def reachable(rem: int, level: int) -> bool:  # rem == sum_k delta_k * s_k, |delta_k| < n_k?
-        if level == len(dims):
-            return rem == 0
-        s, n = dims[level]
-        for delta in {rem // s, -(-rem // s)}:
-            if abs(delta) < n and reachable(rem - delta * s, level + 1):
-                return True
-        return False
-
-    return reachable(offset, 0)
+        if not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"{name} is an inference tensor, which torch lets only code inside "
+                "torch.inference_mode() write; call cupyconv inside it"
+            )
 
 
 _overlapping: dict[tuple, bool] = {}
 
 
 def _self_overlapping(a: Array) -> bool:
-    """Whether two elements of ``a`` share memory (by its shape and strides; memoised)."""
-    key = (a.shape, a.strides)
+    """Whether two elements of ``a`` may share memory, by its shape and byte strides: the
+    layout is refused unless its dims, by stride, each step past the extent of the ones below
+    (memoised)."""
+    key = (a.shape, a.byte_strides, a.itemsize)
     found = _overlapping.get(key)
     if found is None:
-        found = remember(_overlapping, key, _layout_overlaps(a.shape, a.strides))
+        found = remember(_overlapping, key, _layout_overlaps(*key))
     return found
 
 
-def _layout_overlaps(shape, strides) -> bool:
+def _layout_overlaps(shape, byte_strides, itemsize) -> bool:
     if any(n == 0 for n in shape):
         return False
-    dims = sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1)
-    extent = 1
+    dims = sorted((abs(s), n) for s, n in zip(byte_strides, shape) if n > 1)
+    extent = itemsize
     for stride, n in dims:
         if stride < extent:
             return True
         extent = stride * n
     return False
+
+
+# ---- index values ----------------------------------------------------------------------------
+
+_debug = threading.local()
+
+
+@contextlib.contextmanager
+def debug():
+    """Debug mode in this thread, for the duration of a ``with`` block: the values of index
+    arguments on GPU arrays are copied to the host and checked as on CPU arrays (each such
+    call synchronises with the GPU). The environment variable CUPYCONV_DEBUG=1 turns it on
+    everywhere."""
+    depth = getattr(_debug, "depth", 0)
+    _debug.depth = depth + 1
+    try:
+        yield
+    finally:
+        _debug.depth = depth
+
+
+def debug_enabled() -> bool:
+    return getattr(_debug, "depth", 0) > 0 or os.environ.get("CUPYCONV_DEBUG", "") not in ("", "0")
+
+
+def index_values(a: Array | None) -> np.ndarray | None:
+    """The values of index array ``a`` where they may be read: always on the CPU, on a GPU in
+    debug mode (a copy to the host); else None."""
+    if a is None or (a.on_gpu and not debug_enabled()):
+        return None
+    if not a.on_gpu:
+        return np.asarray(a.obj.numpy() if a.kind == "torch" else a.native)
+    if a.kind == "torch":
+        return a.obj.detach().cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(cupy.asarray(a.native))
+
+
+def cu_seqlens_values(cu: Array, tokens: int) -> None:
+    """cu_seqlens starts at 0, never decreases, and ends at most at the number of tokens."""
+    values = index_values(cu)
+    if values is None:
+        return
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {values[0]}")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing; got {values[i]} then {values[i + 1]} at "
+            f"positions {i} and {i + 1}"
+        )
+    if values[-1] > tokens:
+        raise ValueError(
+            f"cu_seqlens must end at most at the number of tokens x.shape[0] = {tokens}; "
+            f"got {values[-1]}"
+        )
+
+
+def state_indices_values(idx: Array | None, pool: int) -> None:
+    """conv_state_indices: each below the pool size conv_state.shape[0], or negative (padding)."""
+    values = index_values(idx)
+    if values is None:
+        return
+    bad = values >= pool
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"conv_state_indices must be below conv_state.shape[0] = {pool} (or negative for "
+            f"padding rows); got {values[i]} at position {i}"
+        )

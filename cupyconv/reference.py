@@ -5,7 +5,7 @@ input may be any numpy array (float16, float32, float64 or ``ml_dtypes.bfloat16`
 converted once to float64 (index arrays to int64). Every output is a new float64 array; inputs
 are never modified.
 
-Notation (the contract's)::
+Notation (docs/semantics.md)::
 
     x:              [batch, dim, seqlen]
     weight:         [dim, width]          oldest tap first: weight[:, width-1] multiplies x[t]
@@ -80,6 +80,14 @@ def _silu_grad(z: np.ndarray) -> np.ndarray:
     return s * (1.0 + z * (1.0 - s))
 
 
+def _select(values: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
+    """``values`` [batch, dim, n] where ``visible`` [batch, n] (None: everywhere), else 0.
+    Masking selects rather than multiplies: a masked inf or NaN contributes nothing."""
+    if visible is None:
+        return values
+    return np.where(visible[:, None, :], values, 0.0)
+
+
 class _Conv:
     """The forward problem in the padded-history form, shared by forward and backward.
 
@@ -126,9 +134,7 @@ class _Conv:
         """``h(b, c, t, t-(K-1)+k)`` for all b, c, t: ``[batch, dim, seqlen]``."""
         seqlen = self.shape[2]
         h = self.history[:, :, k : k + seqlen]
-        if self.tap_visible[k] is not None:
-            h = h * self.tap_visible[k][:, None, :]
-        return h
+        return _select(h, self.tap_visible[k])
 
     def preactivation(self) -> np.ndarray:
         """``bias[c] + sum_k weight[c,k] * h(b, c, t, t-(K-1)+k)``: ``[batch, dim, seqlen]``."""
@@ -141,10 +147,7 @@ class _Conv:
     def final_states(self) -> np.ndarray:
         """``final_states[b,c,j] = h(b, c, seqlen-1, seqlen-(K-1)+j)``: ``[batch, dim, K-1]``."""
         seqlen = self.shape[2]
-        final = self.history[:, :, seqlen:].copy()
-        if self.final_visible is not None:
-            final *= self.final_visible[:, None, :]
-        return final
+        return _select(self.history[:, :, seqlen:], self.final_visible).copy()
 
 
 def causal_conv1d_fn(
@@ -178,8 +181,7 @@ def causal_conv1d_fn(
     conv = _Conv(x, weight, bias, seq_idx, initial_states)
     pre = conv.preactivation()
     out = silu(pre) if use_silu else pre
-    if conv.valid is not None:
-        out = out * conv.valid[:, None, :]  # padding outputs are 0
+    out = _select(out, conv.valid)  # padding outputs are 0
     if return_final_states:
         return out, conv.final_states()
     return out
@@ -219,22 +221,17 @@ def causal_conv1d_bwd(
     _, dim, seqlen, width = conv.shape
     dout = _f64(dout)
 
-    dz = dout * _silu_grad(conv.preactivation()) if use_silu else dout.copy()
-    if conv.valid is not None:
-        dz *= conv.valid[:, None, :]
+    dz = dout * _silu_grad(conv.preactivation()) if use_silu else dout
+    dz = _select(dz, conv.valid)
 
     dhistory = np.zeros_like(conv.history)  # [batch, dim, K-1+seqlen]
     dweight = np.zeros((dim, width))
     for k in range(width):
         dweight[:, k] = (dz * conv.tap(k)).sum(axis=(0, 2))
-        dtap = dz * conv.weight[None, :, k, None]
-        if conv.tap_visible[k] is not None:
-            dtap *= conv.tap_visible[k][:, None, :]
+        dtap = _select(dz * conv.weight[None, :, k, None], conv.tap_visible[k])
         dhistory[:, :, k : k + seqlen] += dtap
     if dfinal_states is not None:
-        dfinal = _f64(dfinal_states)
-        if conv.final_visible is not None:
-            dfinal = dfinal * conv.final_visible[:, None, :]
+        dfinal = _select(_f64(dfinal_states), conv.final_visible)
         dhistory[:, :, seqlen:] += dfinal
 
     dx = dhistory[:, :, width - 1 :].copy()

@@ -28,7 +28,11 @@ def causal_conv1d_update(
     weight:     [dim, width]; bias: [dim] or None
     cache_seqlens: [batch] int32/int64 or None: circular mode (tokens already written)
     conv_state_indices: [batch] int32/int64 or None: row b uses conv_state[indices[b]];
-                negative entries are padding rows (output 0, state untouched)
+                negative entries are padding rows (output 0, state untouched). Entries must
+                be below N and distinct (checked on CPU arrays; on GPU arrays, where reading
+                them would synchronise, only in ``cupyconv.debug()`` mode: there an entry
+                past the pool reads and writes outside conv_state, and repeated entries
+                leave the state of the row in question undefined)
     Returns out with the shape and dtype of x.
     """
     silu = v.check_activation(activation)
@@ -51,6 +55,7 @@ def causal_conv1d_update(
     others = (("weight", w), ("bias", b), ("cache_seqlens", lens), ("conv_state_indices", idx))
     v.same_device((("x", xa), ("conv_state", state)) + others)
     v.writable(state, "conv_state", (("x", xa),) + others)
+    v.state_indices_values(idx, state.shape[0])
     if xa.on_gpu:
         raise gpu_pending("causal_conv1d_update")
     out64, state64 = reference.causal_conv1d_update(

@@ -374,9 +374,9 @@ def test_torch_matches_torch_conv1d(layout, width, dtype):
 
 
 def grad_tolerance(dtype, reduction_terms):
-    """dweight/dbias: the contract's GRAD_TOLERANCE with the atol scaled by sqrt(terms summed);
-    a half-precision weight/bias also carries its own rounding, so its rtol is at least the
-    dtype's output rtol."""
+    """dweight/dbias: the GRAD_TOLERANCE of docs/semantics.md with the atol scaled by
+    sqrt(terms summed); a half-precision weight/bias also carries its own rounding, so its rtol
+    is at least the dtype's output rtol."""
     rtol, atol = GRAD_TOLERANCE
     return max(rtol, tolerance(dtype)[0]), atol * math.sqrt(reduction_terms)
 
@@ -496,7 +496,7 @@ def test_update_mutates_conv_state_in_place(mutable_fw, pool, mode, tokens, stat
     x = fw.array(rand(*x_shape), "float16")
     weight, bias = fw.array(rand(DIM, WIDTH), "float16"), fw.array(rand(DIM))
     n_rows = POOL if pool else batch
-    # conv_state is float32 while x is float16 (allowed: the contract lifts that restriction)
+    # conv_state is float32 while x is float16 (allowed: docs/semantics.md lifts that restriction)
     layout = "channel-last" if state_layout == "state-channel-last" else "channel-first"
     state = fw.array(rand(n_rows, DIM, STATE_LEN, seed=4), "float32", layout)
     strides, ptr = fw.strides(state), fw.ptr(state)

@@ -14,7 +14,7 @@ import pytest
 
 import cupyconv
 from cupyconv import reference
-from cupyconv.testing import assert_close
+from cupyconv.testing import assert_close, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -628,3 +628,76 @@ def test_grid(layout, width, dim):
             final=i % 2 == 0,
             seed=i,
         )
+
+
+# ---- overlap and non-finite values on the GPU path -------------------------------------------
+
+
+def test_overlapping_buffers_are_refused_before_any_launch():
+    import torch
+
+    buf = torch.zeros(1, 2, 16, device="cuda")
+    x, w = torch.ones(1, 2, 2, device="cuda"), torch.ones(2, 9, device="cuda")
+    with pytest.raises(ValueError, match="^out must not share memory with initial_states"):
+        cupyconv.causal_conv1d_fn(x, w, initial_states=buf[:, :, 0:8], out=buf[:, :, 5:7])
+    base = torch.zeros(1, 2, 12, device="cuda")
+    with pytest.raises(ValueError, match="^final_states_out must not share memory with out"):
+        cupyconv.causal_conv1d_fn(
+            torch.ones(1, 2, 10, device="cuda"), torch.ones(2, 3, device="cuda"),
+            out=base[:, :, 0:10], return_final_states=True, final_states_out=base[:, :, 6:8],
+        )  # fmt: skip
+    out = torch.zeros(1, 2, 2, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="^out must not require grad"):
+        cupyconv.causal_conv1d_fn(x, w[:, :3], out=out)
+    torch.cuda.synchronize()
+    assert not buf.any() and not base.any() and not out.detach().any()
+
+
+def test_disjoint_views_of_one_gpu_buffer():
+    import torch
+
+    rng = np.random.default_rng(21)
+    x64, w64 = rng.standard_normal((1, 2, 10)), rng.standard_normal((2, 3))
+    buf = torch.full((1, 2, 16), float("nan"), device="cuda", dtype=torch.float64)
+    buf[:, :, 0:2] = torch.from_numpy(rng.standard_normal((1, 2, 2)))
+    i64 = buf[:, :, 0:2].cpu().numpy()
+    x, w = torch.from_numpy(x64).cuda(), torch.from_numpy(w64).cuda()
+    out = cupyconv.causal_conv1d_fn(x, w, initial_states=buf[:, :, 0:2], out=buf[:, :, 5:15])
+    want = reference.causal_conv1d_fn(x64, w64, initial_states=i64)
+    assert_close(out, want, "float64")
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("width", (2, 4, 7, 20), ids=lambda k: f"width{k}")
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_non_finite_values_stay_in_their_segment(layout, width, dtype):
+    """inf and NaN in one segment and at padding: every output outside that segment (and the
+    padding outputs, 0) is finite and matches the reference, which masks by selection."""
+    import torch
+
+    rng = np.random.default_rng(width)
+    batch, dim, seqlen = 2, 16, 300
+    x64 = rounded(rng, (batch, dim, seqlen), dtype)
+    s = np.zeros((batch, seqlen), np.int32)
+    s[:, 100:200], s[:, 200:] = 1, 2
+    s[:, 250:260] = -1  # padding, holding NaN
+    x64[:, :, 120] = np.inf
+    x64[:, 3, 150] = np.nan
+    x64[:, :, 250:260] = np.nan
+    w64 = rounded(rng, (dim, width), dtype, scale=width**-0.5)
+    x = to_gpu(x64, dtype, layout)
+    w = to_gpu(w64, dtype)
+    si = torch.from_numpy(s).cuda()
+    out, final = cupyconv.causal_conv1d_fn(
+        x, w, seq_idx=si, activation="silu", return_final_states=True
+    )
+    want, want_final = reference.causal_conv1d_fn(
+        x64, w64, seq_idx=s, activation="silu", return_final_states=True
+    )
+    got = out.double().cpu().numpy()
+    finite = np.isfinite(want)
+    assert finite[:, :, :100].all() and finite[:, :, 200:].all()  # the other segments
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
+    assert not np.isfinite(got[~finite]).any()
+    assert_close(final, want_final, dtype, name="final_states")

@@ -1,6 +1,6 @@
 """The float64 oracle (``cupyconv.reference``) tested on its own, on the CPU.
 
-It is checked against independent definitions: scalar loops written straight from the contract
+It is checked against independent definitions: scalar loops written straight from docs/semantics.md
 text, ``numpy.convolve`` per channel, central finite differences for the backward, the update
 and varlen-state definitions in terms of the forward on a concatenated history, and (where torch
 is importable) ``torch.nn.functional.conv1d`` and torch autograd.
@@ -19,12 +19,12 @@ from cupyconv import reference as ref
 from cupyconv.testing import assert_close
 
 # --------------------------------------------------------------------------------------------
-# Scalar-loop definitions, straight from the contract
+# Scalar-loop definitions, straight from docs/semantics.md
 # --------------------------------------------------------------------------------------------
 
 
 def h_loop(x, seq_idx, initial_states, width, b, c, t, s):
-    """h(b, c, t, s): the input the output at t may see at position s (contract, one scalar)."""
+    """h(b, c, t, s): the input the output at t may see at position s (docs/semantics.md)."""
     if seq_idx is not None and seq_idx[b, t] < 0:
         return 0.0  # padding sees nothing
     if s >= 0:

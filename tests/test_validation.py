@@ -1,7 +1,7 @@
-"""The contract's bad-input table ("Inputs and their checks"), row by row, for the four public
-functions, on CPU arrays (no GPU needed).
+"""The bad-input table of docs/semantics.md ("Inputs and their checks"), row by row, for the
+four public functions, on CPU arrays (no GPU needed).
 
-Every refused call must raise the contract's exception type with a message that names the
+Every refused call must raise the documented exception type with a message that names the
 offending argument (and, for a mismatch, the argument it disagrees with), before anything is
 written. Devices are checked with a small fake CUDA array (``FakeCudaArray``) that exposes only
 metadata, so "CPU mixed with GPU" and "two GPUs" are tested on any machine.
@@ -893,7 +893,7 @@ NOT_ARRAY_CASES = [
         "varlen",
         "state_len-negative",
         ValueError,
-        [r"^state_len must be >= 0", r"-1"],
+        [r"^state_len must be between 0 and 2147483647", r"-1"],
         state_len=-1,
     ),
     case(
