@@ -26,10 +26,10 @@ def new_host(like: Array, values: np.ndarray, order=None):
     """``values`` (float64) rounded to the dtype of ``like``, in ``like``'s framework; dense,
     dims outermost first in ``order`` (default: the stride order of ``like``)."""
     order = stride_order(like) if order is None else order
-    if like.kind == "jax":
-        import jax.numpy as jnp
+    if like.kind == "jax":  # on the device of like (a CPU)
+        import jax
 
-        return jnp.asarray(values.astype(like.dtype))
+        return jax.device_put(values.astype(like.dtype), next(iter(like.obj.devices())))
     if like.kind == "torch":
         torch = sys.modules["torch"]
         t = torch.empty_strided(

@@ -155,6 +155,14 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
         }
         __syncwarp();  // wpad is free again
     };
+    // Output o of the tile in stage st from its width taps alone, in float32 (reads wpad, which
+    // holds the row's weights until the next load_row).
+    auto exact = [&](int o, int st) {
+        const T* win = reinterpret_cast<const T*>(stages + st * (WV + PW)) + o + D - width + 1;
+        float a = bias_c;
+        for (int k = 0; k < width; ++k) a += wpad[PAD + k] * to_acc(win[k]);
+        return a;
+    };
     auto compute = [&](const Digits& u, int st) {
         const int64 start = u.lo * SPAN;
         load_row(u.mid, st);
@@ -179,6 +187,10 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     acc[j][r] += bias_c;
+                    // A non-finite input also meets the band's zeros (0 inf = NaN): an output
+                    // that is not finite is computed again from its own taps alone.
+                    if (!isfinite(acc[j][r]))
+                        acc[j][r] = exact((blk + j) * 128 + 32 * tg + 16 * (r & 1) + 2 * g + (r >> 1), st);
                     if (silu_act) acc[j][r] = silu(acc[j][r]);
                 }
                 obuf[(blk + j) * 64 + 16 * tg + g] = pack2<T>(acc[j][0], acc[j][2]);

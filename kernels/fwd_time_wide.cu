@@ -145,6 +145,17 @@ __global__ void __launch_bounds__(TIME_WIDE_THREADS)
                     for (int o = 0; o < N; ++o) acc[o] += wv[u] * win[o + u];
             }
         }
+        // An input that is not finite also meets the zero-padded taps (0 inf = NaN): an output
+        // that is not finite is computed again from its own width taps alone.
+        #pragma unroll
+        for (int o = 0; o < N; ++o) {
+            if (isfinite(acc[o])) continue;
+            acc[o] = bias_c;
+            for (int k = 0; k < width; ++k) {
+                const int e = padded(tx * N + o + OFF + k);
+                if (!SEQ || sq[e] == sid[SEQ ? o : 0]) acc[o] += wsm[OFF + k] * xs[e];
+            }
+        }
         constexpr int VN = Vec<T>::V;
         Vec<T> res[N / VN];
         #pragma unroll

@@ -135,7 +135,8 @@ def fw(request):
         return
     import jax
 
-    with jax.enable_x64(True):
+    # CPU JAX arrays, also where JAX has a GPU backend
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         yield Jax()
 
 
@@ -528,8 +529,9 @@ def test_update_mutates_conv_state_in_place(mutable_fw, pool, mode, tokens, stat
 
 def test_update_jax_x_returns_jax_with_a_numpy_state():
     """Results come back in x's framework; the (mutable) state may be numpy."""
-    jnp = pytest.importorskip("jax.numpy")
-    x = jnp.asarray(rand(BATCH, DIM, 2), dtype=jnp.bfloat16)
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x = jax.device_put(jnp.asarray(rand(BATCH, DIM, 2), dtype=jnp.bfloat16), jax.devices("cpu")[0])
     state = rand(BATCH, DIM, WIDTH - 1).astype(np.float32)
     weight = rand(DIM, WIDTH).astype(np.float32)
     want_out, want_state = reference.causal_conv1d_update(to_numpy(x), state, weight)

@@ -701,3 +701,24 @@ def test_non_finite_values_stay_in_their_segment(layout, width, dtype):
     np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
     assert not np.isfinite(got[~finite]).any()
     assert_close(final, want_final, dtype, name="final_states")
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("width", (20, 33, 64, 129, 200), ids=lambda k: f"width{k}")
+def test_non_finite_inputs_reach_only_their_taps(width, dtype):
+    """Without seq_idx too: the wide kernels (tensor cores, zero-padded taps) must not let an inf
+    or NaN reach an output whose width taps do not include it."""
+    rng = np.random.default_rng(width)
+    x64 = rounded(rng, (2, 5, 3000), dtype)
+    x64[0, 1, 700] = np.inf
+    x64[1, 2, 1500:1503] = np.nan
+    x64[1, 4, 2999] = -np.inf
+    w64 = rounded(rng, (5, width), dtype, scale=width**-0.5)
+    b64 = rounded(rng, (5,), dtype)
+    out = cupyconv.causal_conv1d_fn(to_gpu(x64, dtype), to_gpu(w64, dtype), to_gpu(b64, dtype))
+    want = reference.causal_conv1d_fn(x64, w64, b64)
+    got = out.double().cpu().numpy()
+    finite = np.isfinite(want)
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
+    assert not np.isfinite(got[~finite]).any()
