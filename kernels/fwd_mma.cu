@@ -53,6 +53,20 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(v);
 }
 
+// Recomputes, from its width taps alone, each of a tile's SPAN outputs (in order at `outputs`)
+// that is not finite; this lane takes every 32nd. Output o's taps are window[o .. o + width)
+// with weights w (float). Out of line: it is rarely called.
+template <typename T, int SPAN>
+__device__ __noinline__ void own_taps(T* outputs, const T* window, const float* w, int width,
+                                      float bias, int silu_act) {
+    for (int o = threadIdx.x & 31; o < SPAN; o += 32) {
+        if (isfinite(to_acc(outputs[o]))) continue;
+        float a = bias;
+        for (int k = 0; k < width; ++k) a += w[k] * to_acc(window[o + k]);
+        outputs[o] = from_acc<T>(silu_act ? silu(a) : a);
+    }
+}
+
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
@@ -155,17 +169,10 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
         }
         __syncwarp();  // wpad is free again
     };
-    // Output o of the tile in stage st from its width taps alone, in float32 (reads wpad, which
-    // holds the row's weights until the next load_row).
-    auto exact = [&](int o, int st) {
-        const T* win = reinterpret_cast<const T*>(stages + st * (WV + PW)) + o + D - width + 1;
-        float a = bias_c;
-        for (int k = 0; k < width; ++k) a += wpad[PAD + k] * to_acc(win[k]);
-        return a;
-    };
     auto compute = [&](const Digits& u, int st) {
         const int64 start = u.lo * SPAN;
         load_row(u.mid, st);
+        bool nonfinite = false;
         const uint2* s = reinterpret_cast<const uint2*>(stages + st * (WV + PW)) + 4 * g + tg;
         // Two blocks at a time: their MMA chains are independent, so one hides the other's latency.
         #pragma unroll 1
@@ -185,19 +192,25 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    acc[j][r] += bias_c;
-                    // A non-finite input also meets the band's zeros (0 inf = NaN): an output
-                    // that is not finite is computed again from its own taps alone.
-                    if (!isfinite(acc[j][r]))
-                        acc[j][r] = exact((blk + j) * 128 + 32 * tg + 16 * (r & 1) + 2 * g + (r >> 1), st);
-                    if (silu_act) acc[j][r] = silu(acc[j][r]);
+                for (int r = 0; r < 4; ++r) acc[j][r] += bias_c;
+                // (a sum is not finite if one of its terms is not: one test for four outputs)
+                nonfinite |= !isfinite((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
+                if (silu_act) {
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[j][r] = silu(acc[j][r]);
                 }
                 obuf[(blk + j) * 64 + 16 * tg + g] = pack2<T>(acc[j][0], acc[j][2]);
                 obuf[(blk + j) * 64 + 16 * tg + 8 + g] = pack2<T>(acc[j][1], acc[j][3]);
             }
         }
         __syncwarp();
+        // A non-finite input also meets the band's zero weights (0 inf = NaN): where the warp
+        // saw a sum that is not finite, those outputs are computed again from their own taps.
+        if (__any_sync(0xffffffffu, nonfinite)) {
+            const T* window = reinterpret_cast<const T*>(stages + st * (WV + PW)) + D - width + 1;
+            own_taps<T, SPAN>(reinterpret_cast<T*>(obuf), window, wpad + PAD, width, bias_c, silu_act);
+            __syncwarp();
+        }
         T* const orow = out + u.hi * out_batch_stride + u.mid * out_c_stride;
         #pragma unroll
         for (int j = 0; j < SPAN / VN / 32; ++j) {

@@ -39,6 +39,17 @@ __device__ __forceinline__ void load4(const double* p, double* v) {
     for (int j = 0; j < 4; ++j) v[j] = p[j];
 }
 
+// bias + the width taps of the output whose tap 0 is at slot e of row xs (skipping other
+// segments when SEQ): the sum without the zero-padded taps. Out of line: it is rarely called.
+template <bool SEQ, typename A>
+__device__ __noinline__ A own_taps(const A* xs, const A* w, const int64* ids, int e, int width, int64 id,
+                                   A bias) {
+    A acc = bias;
+    for (int k = 0; k < width; ++k)
+        if (!SEQ || ids[padded(e + k)] == id) acc += w[k] * xs[padded(e + k)];
+    return acc;
+}
+
 template <typename T, bool SEQ>
 __global__ void __launch_bounds__(TIME_WIDE_THREADS)
     fwd_time_wide(FWD_ARRAYS, const __grid_constant__ FwdTimeWideParams p) {
@@ -147,14 +158,14 @@ __global__ void __launch_bounds__(TIME_WIDE_THREADS)
         }
         // An input that is not finite also meets the zero-padded taps (0 inf = NaN): an output
         // that is not finite is computed again from its own width taps alone.
+        bool nonfinite = false;
         #pragma unroll
-        for (int o = 0; o < N; ++o) {
-            if (isfinite(acc[o])) continue;
-            acc[o] = bias_c;
-            for (int k = 0; k < width; ++k) {
-                const int e = padded(tx * N + o + OFF + k);
-                if (!SEQ || sq[e] == sid[SEQ ? o : 0]) acc[o] += wsm[OFF + k] * xs[e];
-            }
+        for (int o = 0; o < N; ++o) nonfinite |= !isfinite(acc[o]);
+        if (nonfinite) {
+            #pragma unroll
+            for (int o = 0; o < N; ++o)
+                if (!isfinite(acc[o]))
+                    acc[o] = own_taps<SEQ>(xs, wsm + OFF, sq, tx * N + o + OFF, width, sid[SEQ ? o : 0], bias_c);
         }
         constexpr int VN = Vec<T>::V;
         Vec<T> res[N / VN];
