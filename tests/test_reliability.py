@@ -329,7 +329,7 @@ def _corrupt(draw, op: str, args: dict) -> None:
     arrays = [n for n, a in args.items() if isinstance(a, np.ndarray)]
     outputs = [n for n in OUTPUTS.get(op, ()) if args.get(n) is not None]
     kinds = ["shape", "ndim", "dtype", "not_array", "activation", "index"]
-    kinds += ["alias", "read_only", "requires_grad"] if outputs else []
+    kinds += ["alias", "self_overlap", "read_only", "requires_grad"] if outputs else []
     kind = draw(st.sampled_from(kinds))
     if kind == "activation" and "activation" in args:
         args["activation"] = draw(st.sampled_from(["relu", "SiLU", 1, np.array(["silu"])]))
@@ -340,10 +340,15 @@ def _corrupt(draw, op: str, args: dict) -> None:
         else:
             args["cu_seqlens"] = np.array(draw(st.sampled_from([[1, 5], [0, 4, 2], [0, 99]])))
         return
-    if kind in ("alias", "read_only", "requires_grad"):
+    if kind in ("alias", "self_overlap", "read_only", "requires_grad"):
         name = draw(st.sampled_from(outputs))
         a = args[name]
-        if kind == "read_only":
+        if kind == "self_overlap":  # strides that write some element twice
+            axis = draw(st.sampled_from([d for d in range(a.ndim) if a.shape[d] > 1]))
+            strides = list(a.strides)
+            strides[axis] = draw(st.sampled_from([0, a.itemsize])) if axis != a.ndim - 1 else 0
+            args[name] = np.lib.stride_tricks.as_strided(a, a.shape, strides)
+        elif kind == "read_only":
             a.flags.writeable = False
         elif kind == "requires_grad":
             torch = pytest.importorskip("torch")
