@@ -8,19 +8,11 @@
 // Every forward kernel takes the seven array pointers (FWD_ARRAYS; null for absent inputs)
 // and one parameter struct by value. The structs and the launch constants the kernels share
 // with their plan (GENERAL_RUN, MMA_BLOCKS, ...) are not written here: cupyconv generates them
-// from its forward plan (cupyconv/_forward_plan.py: CONSTANTS, FIELDS, PLAN_FIELDS) and
-// prepends them to the source, so each is defined once. Each struct holds, in 8-byte fields:
-//   batch, dim, seqlen, width
-//   x_batch_stride, x_c_stride, x_l_stride            (strides in elements, as for every array)
-//   weight_c_stride, weight_width_stride, bias_stride
-//   seq_batch_stride, seq_l_stride
-//   init_batch_stride, init_c_stride, init_l_stride
-//   out_batch_stride, out_c_stride, out_l_stride
-//   final_batch_stride, final_c_stride, final_l_stride
-//   weight_dtype, bias_dtype, seq_dtype, init_dtype   (common.cuh: DtypeCode)
-//   silu_act
-// then the fields its own kernel's plan sets (x_aligned, chunk_divisor, ...), named for what
-// that kernel does with them.
+// from its forward plan (cupyconv/_forward_plan.py: CONSTANTS, FIELDS, KERNELS) and
+// prepends them to the source, so each is defined once. Each struct holds, in 8-byte fields,
+// the call's FIELDS (batch, dim, seqlen, width; x_batch_stride, x_c_stride, x_l_stride and the
+// other arrays' strides, in elements; their dtype codes; silu_act), then the fields its own
+// kernel's plan sets (x_aligned, chunk_divisor, ...), named for what that kernel does with them.
 #pragma once
 #include "common.cuh"
 
