@@ -112,6 +112,7 @@ def _launch(cupy, function: int, plan: Launch, stream: int, extra: int, device: 
 # ---- occupancy: how many blocks of a kernel the device holds at once ------------------------
 
 _resident: dict[tuple, int] = {}
+_dynamic_smem: dict[tuple, int] = {}  # the dynamic shared memory each kernel is allowed
 
 
 def resident_blocks(device: int, source: Source, name: str, threads: int, smem: int) -> int:
@@ -127,8 +128,12 @@ def resident_blocks(device: int, source: Source, name: str, threads: int, smem: 
         raw = get_raw_kernel(source, name, device)
         if smem or raw.shared_size_bytes:
             raw.preferred_shared_memory_carveout = 100
-        if smem > 48 * 1024:
+        # The limit is the kernel's, not the launch's: it only ever grows, or a launch planned
+        # earlier with more shared memory than a later one would be refused by the driver.
+        allowed = _dynamic_smem.get((device, source.file, name), 48 * 1024)
+        if smem > allowed:
             raw.max_dynamic_shared_size_bytes = smem
+            _dynamic_smem[(device, source.file, name)] = smem
 
         def attr(a):
             return rt.deviceGetAttribute(a, device)

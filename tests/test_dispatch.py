@@ -176,9 +176,13 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     # 72 registers round up to 2304 per warp: 28 warps, 7 blocks of 4 warps.
     kernel.num_regs = 72
     assert _launch.resident_blocks(0, source, "k2", 128, 0) == 7 * 132
-    # Above 48 KB the kernel is allowed the dynamic shared memory it is launched with.
+    # Above 48 KB the kernel is allowed the dynamic shared memory it is launched with, and keeps
+    # the largest it was allowed: a plan made earlier with more is still launched later.
+    monkeypatch.setattr(_launch, "_dynamic_smem", {})
+    assert _launch.resident_blocks(0, source, "k3", 128, 96 * 1024) == 2 * 132
+    assert kernel.max_dynamic_shared_size_bytes == 96 * 1024
     assert _launch.resident_blocks(0, source, "k3", 128, 60 * 1024) == 3 * 132
-    assert kernel.max_dynamic_shared_size_bytes == 60 * 1024
+    assert kernel.max_dynamic_shared_size_bytes == 96 * 1024
 
 
 def test_one_chunk_or_tile_per_warp(launches):

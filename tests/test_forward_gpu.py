@@ -722,3 +722,23 @@ def test_non_finite_inputs_reach_only_their_taps(width, dtype):
     rtol, atol = tolerance(dtype)
     np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
     assert not np.isfinite(got[~finite]).any()
+
+
+def test_channel_last_wide_filters_in_any_order_of_widths():
+    """fwd_channel_wide's shared memory grows with the width; a kernel planned with more and
+    launched after a plan with less must still launch (its limit only ever grows)."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    buf64 = rng.standard_normal((2, 3, 799))
+    for width in (256, 100, 9, 256):
+        x64 = buf64[:, :, 267:531].transpose(0, 2, 1)  # (2, 264, 3), channel-contiguous
+        w64 = rng.standard_normal((264, width)) * width**-0.5
+        buf = torch.from_numpy(buf64).float().cuda()
+        x = buf[:, :, 267:531].transpose(1, 2)
+        w = torch.from_numpy(w64).float().cuda()
+        out = cupyconv.causal_conv1d_fn(x, w, activation="silu")
+        want = reference.causal_conv1d_fn(
+            x64.astype(np.float32), w64.astype(np.float32), activation="silu"
+        )
+        assert_close(out, want, "float32", name=f"out (width {width})")
