@@ -158,7 +158,7 @@ def _describe_torch(torch, t, name):
 # ---- CuPy, JAX, numpy and other producers ----------------------------------------------------
 
 
-def _describe_cupy(a, obj, kind, native=None, name="x"):
+def _describe_cupy(a, obj, kind, native=None, name="out"):
     itemsize = a.dtype.itemsize
     _whole_elements(a.strides, itemsize, name)
     return Array(

@@ -19,18 +19,11 @@ import numpy as np
 
 from ._arrays import Array, describe, describe_optional, remember
 from ._overlap import views_overlap
-from .reference import ACTIVATIONS
+from .reference import check_activation  # noqa: F401 - re-exported: True for SiLU
 
 MAX_WIDTH = 256
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 INDEX_DTYPES = ("int32", "int64")
-
-
-def check_activation(activation) -> bool:
-    """True for SiLU, False for the identity."""
-    if not (activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)):
-        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
-    return activation is not None
 
 
 def check_flag(value, name: str) -> bool:

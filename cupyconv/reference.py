@@ -36,6 +36,7 @@ import numpy as np
 
 __all__ = [
     "ACTIVATIONS",
+    "check_activation",
     "causal_conv1d_bwd",
     "causal_conv1d_fn",
     "causal_conv1d_update",
@@ -56,7 +57,8 @@ def _i64(a) -> np.ndarray:
     return np.asarray(a).astype(np.int64)
 
 
-def _use_silu(activation) -> bool:
+def check_activation(activation) -> bool:
+    """True for SiLU ("silu", "swish"), False for the identity (None); ValueError otherwise."""
     if not (activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)):
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     return activation is not None
@@ -177,7 +179,7 @@ def causal_conv1d_fn(
     zero when the last token is padding. It is the ``conv_state`` (state_len width-1) that
     :func:`causal_conv1d_update` continues from.
     """
-    use_silu = _use_silu(activation)
+    use_silu = check_activation(activation)
     conv = _Conv(x, weight, bias, seq_idx, initial_states)
     pre = conv.preactivation()
     out = silu(pre) if use_silu else pre
@@ -216,7 +218,7 @@ def causal_conv1d_bwd(
 
     and ``dx`` / ``dinitial_states`` are ``dh(s)`` for ``s >= 0`` / ``s < 0``.
     """
-    use_silu = _use_silu(activation)
+    use_silu = check_activation(activation)
     conv = _Conv(x, weight, bias, seq_idx, initial_states)
     _, dim, seqlen, width = conv.shape
     dout = _f64(dout)
@@ -270,7 +272,7 @@ def causal_conv1d_update(
     ``new_conv_state`` is a float64 copy of ``conv_state`` with the used rows updated. (Two
     batch rows pointing at the same state row is the caller's error; here the later one wins.)
     """
-    _use_silu(activation)
+    check_activation(activation)
     x = _f64(x)
     one_token = x.ndim == 2
     if one_token:
