@@ -14,11 +14,19 @@ are template arguments, written into the instance names by :func:`forward_kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ._arrays import Array, remember
-from ._compile import C_TYPES, Source, prelude
-from ._launch import MAX_GRID, Launch, ParamBlock, dtype_code, fast_divisor, pack, resident_blocks
+from ._compile import C_TYPES, Source
+from ._launch import (
+    MAX_GRID,
+    Kernel,
+    Launch,
+    ParamBlock,
+    bind_sources,
+    dtype_code,
+    fast_divisor,
+    pack,
+    resident_blocks,
+)  # fmt: skip
 
 # Launch constants shared with the kernels. Measurements behind each number:
 # benchmarks/NOTES.md, "Occupancy and tile sizes".
@@ -65,24 +73,6 @@ FIELDS = (
 POINTERS = 7
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """A forward kernel template: its source file, its parameter struct and the fields of that
-    struct its plan sets (after ``FIELDS``)."""
-
-    template: str
-    file: str
-    params: str
-    plan_fields: tuple[str, ...] = ()
-
-    def launch(self, name: str, grid: int, block: tuple[int, int], smem: int = 0, **fields):
-        """A Launch of instance ``name``, with the plan fields given by name."""
-        if set(fields) != set(self.plan_fields):
-            raise TypeError(f"{self.template} takes {self.plan_fields}; got {tuple(fields)}")
-        values = tuple(int(fields[f]) for f in self.plan_fields)
-        return Launch(SOURCES[self.file], name, grid, block, smem, values)
-
-
 _ALIGNED = ("x_aligned", "out_aligned")  # rows of x / out start on the kernel's vectors
 TIME = Kernel(
     "fwd_time", "fwd_time.cu", "FwdTimeParams", (*_ALIGNED, "chunk_divisor", "dim_divisor")
@@ -103,12 +93,9 @@ GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
 KERNELS = (TIME, MMA, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
 
-PRELUDE = prelude(
-    "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)",
-    CONSTANTS,
-    {k.params: FIELDS + k.plan_fields for k in KERNELS},
+SOURCES = bind_sources(
+    KERNELS, "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
 )
-SOURCES = {k.file: Source(k.file, PRELUDE) for k in KERNELS}
 
 
 def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
@@ -138,7 +125,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     else:
         table["channel"] = table["general"]
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
-    return {kind: (SOURCES[kernel.file], name) for kind, (kernel, name) in table.items()}
+    return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
 
 def _mma_steps(width: int) -> int:
@@ -260,7 +247,7 @@ def _plan_mma(x, out, name, device) -> Launch:
     threads = 32 * CONSTANTS["MMA_WARPS"]
     tiles = batch * dim * -(-seqlen // (128 * CONSTANTS["MMA_BLOCKS"]))
     # The kernel's shared memory is static: resident_blocks reads it from the compiled kernel.
-    resident = resident_blocks(device, SOURCES[MMA.file], name, threads, 0)
+    resident = resident_blocks(device, MMA.source, name, threads, 0)
     grid = min(-(-tiles // CONSTANTS["MMA_WARPS"]), resident)
     return MMA.launch(
         name, grid, (threads, 1), x_aligned=_time_vectors(x, 2), out_aligned=_time_vectors(out, 2)
@@ -330,7 +317,7 @@ def _plan_channel_wide(x, width, name, itemsize, device) -> Launch:
     smem = weights_at + width * channels * acc
     threads = 32 * CONSTANTS["CHANNEL_WIDE_WARPS"]
     tiles = batch * -(-seqlen // steps) * -(-dim // channels)
-    grid = min(tiles, resident_blocks(device, SOURCES[CHANNEL_WIDE.file], name, threads, smem))
+    grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem))
     return CHANNEL_WIDE.launch(name, grid, (threads, 1), smem, weights_at=weights_at)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._arrays import remember
-from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel
+from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel, prelude
 
 MAX_GRID = 2**31 - 1  # most blocks along x
 
@@ -29,6 +29,39 @@ class Launch:
     block: tuple[int, int]
     smem: int = 0
     plan_fields: tuple[int, ...] = ()
+
+
+class Kernel:
+    """A kernel template of an operator: its source file, its parameter struct, and the fields
+    of that struct its plan sets (after the operator's own fields). ``source`` (the file with
+    the operator's prelude) is set by :func:`bind_sources`."""
+
+    __slots__ = ("template", "file", "params", "plan_fields", "source")
+
+    def __init__(self, template: str, file: str, params: str, plan_fields: tuple[str, ...] = ()):
+        self.template, self.file, self.params = template, file, params
+        self.plan_fields, self.source = plan_fields, None
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.template!r})"
+
+    def launch(self, name: str, grid: int, block: tuple[int, int], smem: int = 0, **fields):
+        """A Launch of instance ``name``, with the plan fields given by name."""
+        if set(fields) != set(self.plan_fields):
+            raise TypeError(f"{self.template} takes {self.plan_fields}; got {tuple(fields)}")
+        values = tuple(int(fields[f]) for f in self.plan_fields)
+        return Launch(self.source, name, grid, block, smem, values)
+
+
+def bind_sources(kernels, origin: str, constants: dict[str, int], fields: tuple[str, ...]):
+    """Give every kernel of an operator its Source: its file after the operator's prelude
+    (``constants``, and one parameter struct per kernel: ``fields`` then its plan fields).
+    Returns the sources by file name."""
+    text = prelude(origin, constants, {k.params: fields + k.plan_fields for k in kernels})
+    sources: dict[str, Source] = {}
+    for k in kernels:
+        k.source = sources.setdefault(k.file, Source(k.file, text))
+    return sources
 
 
 def dtype_code(a) -> int:

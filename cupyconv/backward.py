@@ -1,51 +1,155 @@
-"""The backward operator, ``causal_conv1d_bwd``. In this version it runs on CPU arrays, through
-the float64 reference; GPU arrays raise NotImplementedError."""
+"""The backward operator, ``causal_conv1d_bwd``: GPU arrays launch the kernels its plan picks
+(``cupyconv/_backward_plan.py``, ``kernels/bwd_*.cu``); CPU arrays run the float64 reference.
+
+A call: describe and check the arguments once (``_BackwardCall``), then either the reference,
+or: look the plan up, allocate the outputs and the plan's scratch, pack the arguments, launch,
+return the results in the caller's framework.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _validate as v
 from . import reference
-from ._arrays import stride_order
-from ._host import gpu_pending, host, new_host, output
+from ._arrays import dense_strides, empty, result, stream_of, stride_order, strides_like
+from ._backward_plan import backward_args, plan_backward
+from ._host import host, output
+from ._launch import launch
 
 __all__ = ["causal_conv1d_bwd"]
 
 
 def causal_conv1d_bwd(
     x, weight, bias, dout, seq_idx=None, initial_states=None, dfinal_states=None, dx=None,
-    return_dinitial_states=False, activation=None,
+    return_dinitial_states=False, activation=None, *, dweight_out=None, dbias_out=None,
+    dinitial_states_out=None,
 ):  # fmt: skip
-    """The vector-Jacobian product of ``causal_conv1d_fn`` (CPU arrays in this version).
+    """The vector-Jacobian product of ``causal_conv1d_fn`` (docs/semantics.md, "Backward").
 
-    x, dout: [batch, dim, seqlen]; weight: [dim, width]; bias: [dim] or None;
-    seq_idx: [batch, seqlen] or None; initial_states, dfinal_states: [batch, dim, width - 1] or
-    None; dx: optional [batch, dim, seqlen] buffer of x's dtype.
-    Returns (dx, dweight, dbias, dinitial_states): dx in x's dtype, dweight/dbias in the dtypes
-    of weight/bias (dbias None without bias), dinitial_states (x's dtype) when
-    return_dinitial_states and initial_states is given, else None.
+    x, dout:        [batch, dim, seqlen], any strides
+    weight:         [dim, width]; bias: [dim] or None
+    seq_idx:        [batch, seqlen] or None
+    initial_states: [batch, dim, width - 1] or None
+    dfinal_states:  [batch, dim, width - 1] or None: the gradient of final_states
+    dx:             optional [batch, dim, seqlen] buffer of x's dtype, any strides
+    dweight_out, dbias_out, dinitial_states_out (keyword only): optional buffers for the other
+                    results (the dtypes and shapes of weight, bias, initial_states)
+    Returns (dx, dweight, dbias, dinitial_states): dx in x's dtype and stride order; dweight
+    and dbias accumulated in float32 (float64 for float64 x) without floating-point atomics,
+    bitwise the same from run to run, in the dtypes of weight and bias (dbias None without
+    bias); dinitial_states in x's dtype, laid out like initial_states, when
+    return_dinitial_states and initial_states is given, else None. SiLU's derivative is taken
+    at the recomputed pre-activation.
     """
-    silu = v.check_activation(activation)
-    want_dinit = v.check_flag(return_dinitial_states, "return_dinitial_states")
-    a = v.conv_args(x, weight, bias, seq_idx, initial_states)
-    g = v.array(dout, "dout", 3)
-    v.shape(g, "dout", a.x.shape, "(batch, dim, seqlen) of x")
-    dfinal = v.optional(dfinal_states, "dfinal_states", 3)
-    v.shape(dfinal, "dfinal_states", v.state_shape(a), v.STATE_SHAPE)
-    dxa = v.optional(dx, "dx", 3)
-    v.shape(dxa, "dx", a.x.shape, "(batch, dim, seqlen) of x")
-    v.same_dtype(dxa, "dx", a.x, "x")
-    inputs = a.named() + (("dout", g), ("dfinal_states", dfinal))
-    v.same_device(inputs + (("dx", dxa),))
-    v.writable(dxa, "dx", inputs)
-    if a.x.on_gpu:
-        raise gpu_pending("causal_conv1d_bwd")
-    dx64, dw64, db64, dinit64 = reference.causal_conv1d_bwd(
-        host(a.x), host(a.weight), host(a.bias), host(g), host(a.seq_idx),
-        host(a.initial_states), host(dfinal), activation="silu" if silu else None,
+    call = _BackwardCall(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+        return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
     )  # fmt: skip
-    dx_out = output(dxa, a.x, dx64)
-    dbias = None if a.bias is None else new_host(a.bias, db64)
+    return _backward_gpu(call) if call.conv.x.on_gpu else _backward_cpu(call)
+
+
+class _BackwardCall:
+    """The arguments of one backward call, described and checked once."""
+
+    __slots__ = ("conv", "dout", "dfinal", "dx", "dweight", "dbias", "dinit", "want_dinit")
+    __slots__ += ("silu", "device")
+
+    def __init__(
+        self, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+        return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
+    ):  # fmt: skip
+        self.silu = v.check_activation(activation)
+        want = v.check_flag(return_dinitial_states, "return_dinitial_states")
+        self.conv = a = v.conv_args(x, weight, bias, seq_idx, initial_states)
+        self.want_dinit = want and a.initial_states is not None
+        self.dout = g = v.array(dout, "dout", 3)
+        v.shape(g, "dout", a.x.shape, "(batch, dim, seqlen) of x")
+        self.dfinal = v.optional(dfinal_states, "dfinal_states", 3)
+        v.shape(self.dfinal, "dfinal_states", v.state_shape(a), v.STATE_SHAPE)
+        self.dx = v.optional(dx, "dx", 3)
+        v.shape(self.dx, "dx", a.x.shape, "(batch, dim, seqlen) of x")
+        v.same_dtype(self.dx, "dx", a.x, "x")
+        self.dweight = v.optional(dweight_out, "dweight_out", 2)
+        v.shape(self.dweight, "dweight_out", a.weight.shape, "(dim, width) of weight")
+        v.same_dtype(self.dweight, "dweight_out", a.weight, "weight")
+        self.dbias = v.optional(dbias_out, "dbias_out", 1)
+        if self.dbias is not None:
+            if a.bias is None:
+                raise ValueError("dbias_out must be None when bias is None; got an array")
+            v.shape(self.dbias, "dbias_out", a.bias.shape, "(dim,) of bias")
+            v.same_dtype(self.dbias, "dbias_out", a.bias, "bias")
+        self.dinit = None
+        if self.want_dinit:
+            self.dinit = v.optional(dinitial_states_out, "dinitial_states_out", 3)
+            v.shape(self.dinit, "dinitial_states_out", v.state_shape(a), v.STATE_SHAPE)
+            v.same_dtype(self.dinit, "dinitial_states_out", a.x, "x")
+        inputs = a.named() + (("dout", g), ("dfinal_states", self.dfinal))
+        outputs = (
+            ("dx", self.dx), ("dweight_out", self.dweight), ("dbias_out", self.dbias),
+            ("dinitial_states_out", self.dinit),
+        )  # fmt: skip
+        self.device = v.same_device(inputs + outputs)
+        for i, (name, buffer) in enumerate(outputs):
+            v.writable(buffer, name, inputs + outputs[:i])
+
+
+def _acc_dtype(x) -> np.dtype:
+    return np.dtype(np.float64 if x.dtype_name == "float64" else np.float32)
+
+
+def _backward_gpu(call: _BackwardCall):
+    a = call.conv
+    x, w = a.x, a.weight
+    batch, dim, seqlen = x.shape
+    dx = call.dx or empty(x, x.shape, strides_like(x), x.dtype)
+    dweight = call.dweight or empty(w, w.shape, strides_like(w), w.dtype)
+    dbias = None
+    if a.bias is not None:
+        dbias = call.dbias or empty(a.bias, a.bias.shape, (1,), a.bias.dtype)
     dinit = None
-    if want_dinit and a.initial_states is not None:  # dtype of x, laid out like initial_states
-        dinit = new_host(a.x, dinit64, order=stride_order(a.initial_states))
-    return dx_out, new_host(a.weight, dw64), dbias, dinit
+    if call.want_dinit:
+        init = a.initial_states
+        dinit = call.dinit or empty(x, init.shape, strides_like(init), x.dtype)
+    if dim > 0:
+        _launch_backward(call, dx, dweight, dbias, dinit)
+    given = (call.dx, call.dweight, call.dbias, call.dinit)
+    made = (dx, dweight, dbias, dinit)
+    return tuple(
+        None if m is None else g.obj if g is not None else result(x, m) for g, m in zip(given, made)
+    )
+
+
+def _launch_backward(call: _BackwardCall, dx, dweight, dbias, dinit) -> None:
+    a = call.conv
+    x = a.x
+    plan = plan_backward(x, a.width, a.seq_idx is not None, dinit is not None)
+    acc = _acc_dtype(x)
+    parts = (plan.n_parts, x.shape[1], a.width + 1)
+    partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)
+    scratch = None
+    if plan.scratch_strides is not None:
+        scratch = empty(x, x.shape, plan.scratch_strides, acc)
+    stream = stream_of(x)
+    seq_idx = a.seq_idx if x.shape[2] > 0 else None  # no token, no segment id to read
+    for step in plan.launches:
+        args = backward_args(
+            step, plan, x, a.weight, a.bias, seq_idx, a.initial_states, call.dout,
+            call.dfinal, dx, dweight, dbias, dinit, partials, scratch, a.width, call.silu,
+        )  # fmt: skip
+        launch(step, call.device, args, stream)
+
+
+def _backward_cpu(call: _BackwardCall):
+    a = call.conv
+    dx64, dw64, db64, dinit64 = reference.causal_conv1d_bwd(
+        host(a.x), host(a.weight), host(a.bias), host(call.dout), host(a.seq_idx),
+        host(a.initial_states), host(call.dfinal), activation="silu" if call.silu else None,
+    )  # fmt: skip
+    dx = output(call.dx, a.x, dx64)
+    dweight = output(call.dweight, a.weight, dw64)
+    dbias = None if a.bias is None else output(call.dbias, a.bias, db64)
+    dinit = None
+    if call.want_dinit:  # dtype of x, laid out like initial_states
+        dinit = output(call.dinit, a.x, dinit64, order=stride_order(a.initial_states))
+    return dx, dweight, dbias, dinit

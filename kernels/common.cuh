@@ -10,8 +10,8 @@
 typedef long long int64;
 
 // The dtype codes of the kernels' dtype fields, `enum DtypeCode { F32, F16, BF16, F64, I32,
-// I64 }`, come with the prelude cupyconv prepends to every source (cupyconv/_kernels.py,
-// from cupyconv/_launch.py: DTYPE_CODES).
+// I64 }`, come with the prelude cupyconv prepends to every source (cupyconv/_compile.py:
+// DTYPE_CODES).
 
 // Accumulation type: float32, or float64 for float64 data.
 template <typename T> struct AccOf { using type = float; };
@@ -158,9 +158,40 @@ __device__ __forceinline__ A staged_param(const unsigned long long* src, const v
     return bits_as<A>(high ? (u >> 16) & 0xffff : u & 0xffff, code);
 }
 
+// Stores v at element i of a float array p of run-time dtype `code`.
+template <typename A>
+__device__ __forceinline__ void store_as(void* p, int code, int64 i, A v) {
+    switch (code) {
+        case F32: static_cast<float*>(p)[i] = (float)v; break;
+        case F16: static_cast<__half*>(p)[i] = __float2half_rn((float)v); break;
+        case BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn((float)v); break;
+        default: static_cast<double*>(p)[i] = (double)v; break;
+    }
+}
+
 // Element i of an int32 or int64 index array.
 __device__ __forceinline__ int64 load_index(const void* p, int code, int64 i) {
     return code == I32 ? (int64)static_cast<const int*>(p)[i] : static_cast<const int64*>(p)[i];
+}
+
+// The inputs of a convolution, shared by every operator's kernels: P is a kernel's parameter
+// struct, with the call's fields (seq_dtype, seq_batch_stride, x_batch_stride, init_dtype, ...).
+
+// Segment id of position s of row b (s < 0 belongs to the first segment of the row).
+template <typename P>
+__device__ __forceinline__ int64 segment_id(const void* seq_idx, const P& p, int64 b, int64 s) {
+    return load_index(seq_idx, (int)p.seq_dtype, b * p.seq_batch_stride + (s < 0 ? 0 : s) * p.seq_l_stride);
+}
+
+// The input at position s >= -(K-1) of row (b, c), before seq_idx masking: x, or before the
+// row initial_states (zeros without them).
+template <typename A, typename T, typename P>
+__device__ __forceinline__ A input_at(const T* x, const void* initial_states, const P& p, int64 b,
+                                      int64 c, int64 s) {
+    if (s >= 0) return A(to_acc(x[b * p.x_batch_stride + c * p.x_c_stride + s * p.x_l_stride]));
+    if (!initial_states) return A(0);
+    return load_as<A>(initial_states, (int)p.init_dtype,
+                      b * p.init_batch_stride + c * p.init_c_stride + (p.width - 1 + s) * p.init_l_stride);
 }
 
 // SiLU(z) = z * sigmoid(z). float: fast exp and reciprocal (relative error ~1e-7; exp(-z) = inf

@@ -1,0 +1,75 @@
+// bwd_common.cuh: what every backward kernel shares.
+//
+// The backward of out[b,c,t] = act(z[b,c,t]), z = bias[c] + sum_k weight[c,k] h(b,c,t, t-(K-1)+k)
+// (docs/semantics.md, "Backward"), with dz = dout act'(z) (0 at padding; SiLU's derivative taken
+// at the recomputed z, the forward output is not saved):
+//
+//   dx[b,c,s]      = sum_k weight[c,k] dz[b,c,s+(K-1)-k]   over the outputs that see s
+//                    + dfinal_states[b,c,j]              for s = L-(K-1)+j visible from L-1
+//   dinitial_states  the same sum for the positions s < 0 (the first segment's)
+//   dweight[c,k]   = sum_{b,t} dz[b,c,t] h(b,c,t, t-(K-1)+k)
+//   dbias[c]       = sum_{b,t} dz[b,c,t]
+//
+// dweight and dbias are reduced without floating-point atomics: each work item of a kernel
+// writes its own partial sums, partials[part][c][k] (k = K: the bias), and bwd_reduce adds
+// them in a fixed order, so every result is the same from run to run.
+//
+// Every backward kernel takes the thirteen array pointers (BWD_ARRAYS; null for absent ones)
+// and one parameter struct by value, generated from cupyconv/_backward_plan.py (CONSTANTS,
+// FIELDS, KERNELS) as the forward's are: the call's FIELDS (batch, dim, seqlen, width; the
+// arrays' strides in elements: x_*, weight_*, bias_stride, seq_*, init_*, dout_*, dfinal_*,
+// dx_*, dinit_*, dweight_*, dbias_stride; dtype codes; silu_act; n_parts), then the fields of
+// its own kernel's plan.
+#pragma once
+#include "common.cuh"
+
+#define BWD_ARRAYS                                                                                    \
+    const T* __restrict__ x, const void* __restrict__ weight, const void* __restrict__ bias,          \
+        const void* __restrict__ seq_idx, const void* __restrict__ initial_states,                    \
+        const T* __restrict__ dout, const void* __restrict__ dfinal_states, T* __restrict__ dx,       \
+        void* __restrict__ dweight, void* __restrict__ dbias, T* __restrict__ dinitial_states,        \
+        typename AccOf<T>::type* __restrict__ partials, typename AccOf<T>::type* __restrict__ scratch
+
+// SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal
+// (exp(-z) = inf gives sigmoid 0); double: exact.
+__device__ __forceinline__ float silu_grad(float z) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + __expf(-z)));
+    return r * fmaf(z, 1.0f - r, 1.0f);
+}
+__device__ __forceinline__ double silu_grad(double z) {
+    const double s = 1.0 / (1.0 + exp(-z));
+    return s * (1.0 + z * (1.0 - s));
+}
+
+// dz at (b, c, t), 0 <= t < L, computed from scratch: any strides, any width.
+template <typename A, typename T, typename P>
+__device__ A dz_at(const T* x, const void* weight, const void* bias, const void* seq_idx,
+                   const void* initial_states, const T* dout, const P& p, int64 b, int64 c, int64 t) {
+    const int64 sid = seq_idx ? segment_id(seq_idx, p, b, t) : 0;
+    if (sid < 0) return A(0);  // padding
+    const A g = A(to_acc(dout[b * p.dout_batch_stride + c * p.dout_c_stride + t * p.dout_l_stride]));
+    if (!p.silu_act) return g;
+    A z = bias ? load_as<A>(bias, (int)p.bias_dtype, c * p.bias_stride) : A(0);
+    for (int k = 0; k < (int)p.width; ++k) {
+        const int64 s = t - (p.width - 1) + k;
+        if (seq_idx && segment_id(seq_idx, p, b, s) != sid) continue;
+        z += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
+             input_at<A>(x, initial_states, p, b, c, s);
+    }
+    return g * silu_grad(z);
+}
+
+// The dfinal_states term of position s >= L-(K-1) (s may be negative when L < K-1): the
+// gradient of final_states[b,c,s-(L-(K-1))] when s is visible from the last token.
+template <typename A, typename P>
+__device__ __forceinline__ A dfinal_at(const void* dfinal_states, const void* seq_idx, const P& p, int64 b,
+                                       int64 c, int64 s) {
+    if (seq_idx) {
+        const int64 last = segment_id(seq_idx, p, b, p.seqlen - 1);
+        if (last < 0 || segment_id(seq_idx, p, b, s) != last) return A(0);
+    }
+    const int64 j = s - (p.seqlen - (p.width - 1));
+    return load_as<A>(dfinal_states, (int)p.dfinal_dtype,
+                      b * p.dfinal_batch_stride + c * p.dfinal_c_stride + j * p.dfinal_l_stride);
+}

@@ -1,0 +1,149 @@
+// bwd_general.cu: the backward for any strides and any width, the initial states' gradient,
+// and the reduction of the dweight / dbias partials.
+//
+//   bwd_dz<T>       one thread per (b, c, t): dz into scratch (accumulation type, laid out by
+//                   the plan: scratch_*_stride).
+//   bwd_dx<T>       one thread per (b, c, s), s >= 0: dx from scratch (and dfinal_states).
+//   bwd_weight<T>   one block of WEIGHT_THREADS threads per (part, c): the partial sums of
+//                   dweight[c, :] and dbias[c] over the part's PART positions (b, t), b slowest;
+//                   each tap summed by the threads, then reduced in a fixed tree.
+//   bwd_initial<T>  one thread per (b, c): dinitial_states[b, c, :] (dz of the first K-1
+//                   positions recomputed; every layout's plan launches it).
+//   bwd_reduce<T>   one warp per (c, k): partials[0..n_parts)[c][k] summed in a fixed order
+//                   into dweight[c, k] (k < K) or dbias[c] (k = K).
+// p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
+// contiguous data: coalesced), else time fastest. Every kernel loops over its work grid-stride;
+// every offset is 64-bit.
+#include "bwd_common.cuh"
+
+template <typename T>
+__global__ void bwd_dz(BWD_ARRAYS, const __grid_constant__ BwdDzParams p) {
+    using A = typename AccOf<T>::type;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, total = batch * dim * seqlen;
+    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total; i += (int64)gridDim.x * blockDim.x) {
+        int64 b, c, t;
+        if (p.channels_fastest) {
+            c = i % dim;
+            t = (i / dim) % seqlen;
+        } else {
+            t = i % seqlen;
+            c = (i / seqlen) % dim;
+        }
+        b = i / (dim * seqlen);
+        scratch[b * p.scratch_batch_stride + c * p.scratch_c_stride + t * p.scratch_l_stride] =
+            dz_at<A>(x, weight, bias, seq_idx, initial_states, dout, p, b, c, t);
+    }
+}
+
+template <typename T>
+__global__ void bwd_dx(BWD_ARRAYS, const __grid_constant__ BwdDxParams p) {
+    using A = typename AccOf<T>::type;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, total = batch * dim * seqlen;
+    const int width = (int)p.width;
+    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total; i += (int64)gridDim.x * blockDim.x) {
+        int64 b, c, s;
+        if (p.channels_fastest) {
+            c = i % dim;
+            s = (i / dim) % seqlen;
+        } else {
+            s = i % seqlen;
+            c = (i / seqlen) % dim;
+        }
+        b = i / (dim * seqlen);
+        const int64 sid = seq_idx ? segment_id(seq_idx, p, b, s) : 0;
+        const A* const g = scratch + b * p.scratch_batch_stride + c * p.scratch_c_stride;
+        A acc = A(0);
+        for (int k = 0; k < width; ++k) {  // the output at t = s + (K-1) - k sees s through tap k
+            const int64 t = s + (width - 1) - k;
+            if (t >= seqlen || (seq_idx && segment_id(seq_idx, p, b, t) != sid)) continue;
+            acc += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
+                   g[t * p.scratch_l_stride];
+        }
+        if (dfinal_states && s >= seqlen - (width - 1)) acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, s);
+        dx[b * p.dx_batch_stride + c * p.dx_c_stride + s * p.dx_l_stride] = from_acc<T>(acc);
+    }
+}
+
+// Sum of v over the block's WEIGHT_THREADS threads, in a fixed order; valid in thread 0.
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* shared) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32;
+    __syncthreads();  // the previous sum's readers are done
+    if ((threadIdx.x & 31) == 0) shared[warp] = v;
+    __syncthreads();
+    A total = A(0);
+    if (threadIdx.x == 0)
+        for (int w = 0; w < WEIGHT_THREADS / 32; ++w) total += shared[w];
+    return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const __grid_constant__ BwdWeightParams p) {
+    using A = typename AccOf<T>::type;
+    __shared__ A shared[WEIGHT_THREADS / 32];
+    const int64 dim = p.dim, seqlen = p.seqlen, positions = p.batch * seqlen, n_parts = p.n_parts;
+    const int width = (int)p.width;
+    for (int64 item = blockIdx.x; item < n_parts * dim; item += gridDim.x) {
+        const int64 part = item / dim, c = item % dim;
+        const int64 n0 = part * p.part_len, n1 = min(n0 + p.part_len, positions);
+        A* const out = partials + (part * dim + c) * (width + 1);
+        for (int k = 0; k <= width; ++k) {  // tap k, then (k = K) the bias
+            A sum = A(0);
+            for (int64 n = n0 + threadIdx.x; n < n1; n += WEIGHT_THREADS) {
+                const int64 b = n / seqlen, t = n % seqlen;
+                const A g = scratch[b * p.scratch_batch_stride + c * p.scratch_c_stride + t * p.scratch_l_stride];
+                if (k == width) {
+                    sum += g;
+                } else {
+                    const int64 s = t - (width - 1) + k;
+                    if (seq_idx && segment_id(seq_idx, p, b, s) != segment_id(seq_idx, p, b, t)) continue;
+                    sum += g * input_at<A>(x, initial_states, p, b, c, s);
+                }
+            }
+            const A total = block_sum(sum, shared);
+            if (threadIdx.x == 0) out[k] = total;
+        }
+    }
+}
+
+template <typename T>
+__global__ void bwd_initial(BWD_ARRAYS, const __grid_constant__ BwdInitialParams p) {
+    using A = typename AccOf<T>::type;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
+    const int n = (int)p.width - 1, m = (int)min(seqlen, (int64)n);  // dz known at t < m
+    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < batch * dim; i += (int64)gridDim.x * blockDim.x) {
+        const int64 b = i / dim, c = i % dim;
+        A g[MAX_STATE];  // dz of positions 0 .. m - 1
+        for (int t = 0; t < m; ++t) g[t] = dz_at<A>(x, weight, bias, seq_idx, initial_states, dout, p, b, c, t);
+        const int64 first = seq_idx ? segment_id(seq_idx, p, b, 0) : 0;
+        for (int j = 0; j < n; ++j) {  // position s = j - n, seen by the outputs t = 0 .. j
+            A acc = A(0);
+            for (int t = 0; t <= j && t < m; ++t) {
+                if (seq_idx && segment_id(seq_idx, p, b, t) != first) continue;
+                acc += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + (j - t) * p.weight_width_stride) * g[t];
+            }
+            if (dfinal_states && j >= seqlen) acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, (int64)j - n);
+            dinitial_states[b * p.dinit_batch_stride + c * p.dinit_c_stride + j * p.dinit_l_stride] = from_acc<T>(acc);
+        }
+    }
+}
+
+template <typename T>
+__global__ void bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
+    using A = typename AccOf<T>::type;
+    const int64 dim = p.dim, n_parts = p.n_parts, row = p.width + 1;
+    const int lane = threadIdx.x & 31;
+    for (int64 i = grid_warp(); i < dim * row; i += grid_warps()) {
+        const int64 c = i / row, k = i % row;
+        A sum = A(0);
+        for (int64 part = lane; part < n_parts; part += 32) sum += partials[(part * dim + c) * row + k];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) {
+            if (k < p.width) store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, sum);
+            else if (dbias) store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, sum);
+        }
+    }
+}

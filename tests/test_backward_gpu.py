@@ -1,0 +1,194 @@
+"""The backward pass on the GPU against the float64 reference.
+
+Every case builds its inputs in numpy (already rounded to the dtype under test), moves them to
+the GPU in the layout under test, runs ``causal_conv1d_bwd`` into NaN-prefilled buffers (dx of
+the layout under test, dweight / dbias / dinitial_states buffers where the case asks for them),
+and compares dx and dinitial_states with the reference at the dtype's tolerance, dweight and
+dbias at ``GRAD_TOLERANCE`` with the atol scaled by sqrt(batch * seqlen), the number of terms
+of each reduction (docs/semantics.md, "Tolerances").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_forward_gpu import rounded, seq_ids, to_gpu
+
+import cupyconv
+from cupyconv import reference
+from cupyconv.testing import GRAD_TOLERANCE, assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def nan_like_layout(shape, dtype, layout):
+    import torch
+
+    b, c, length = shape
+    if layout.startswith("cl"):
+        return torch.full((b, length, c), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def run_bwd(
+    batch, dim, seqlen, width, dtype="float32", wdtype=None, layout="cf", bias=True, silu=True,
+    segments=0, padding=False, init=False, dinit=True, dfinal=False, buffers=False, seed=0,
+):  # fmt: skip
+    """One backward case against the reference; returns the results (for repeat checks)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    wdtype = wdtype or dtype
+    x64 = rounded(rng, (batch, dim, seqlen), dtype)
+    g64 = rounded(rng, (batch, dim, seqlen), dtype)
+    w64 = rounded(rng, (dim, width), wdtype, scale=width**-0.5)
+    b64 = rounded(rng, (dim,), wdtype) if bias else None
+    s = seq_ids(rng, batch, seqlen, segments, padding) if segments else None
+    i64 = rounded(rng, (batch, dim, width - 1), dtype) if init else None
+    f64 = rounded(rng, (batch, dim, width - 1), dtype) if dfinal else None
+    act = "silu" if silu else None
+    state_layout = "cl" if layout.startswith("cl") else "cf"
+
+    x, dout = to_gpu(x64, dtype, layout), to_gpu(g64, dtype, layout)
+    w = to_gpu(w64, wdtype)
+    b = to_gpu(b64, wdtype) if bias else None
+    si = torch.from_numpy(s).cuda() if s is not None else None
+    ii = to_gpu(i64, dtype, state_layout) if init else None
+    ff = to_gpu(f64, dtype, state_layout) if dfinal else None
+    kwargs = {}
+    dx_buf = None
+    if buffers:
+        dx_buf = nan_like_layout((batch, dim, seqlen), x.dtype, layout)
+        kwargs["dweight_out"] = torch.full((width, dim), float("nan"), device="cuda",
+                                           dtype=w.dtype).t()  # fmt: skip
+        if bias:
+            kwargs["dbias_out"] = torch.full((dim,), float("nan"), device="cuda", dtype=w.dtype)
+        if init and dinit:
+            kwargs["dinitial_states_out"] = nan_like_layout((batch, dim, width - 1), x.dtype, "cl")
+    dx, dw, db, di = cupyconv.causal_conv1d_bwd(
+        x, w, b, dout, si, ii, ff, dx=dx_buf, return_dinitial_states=dinit, activation=act,
+        **kwargs,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, act)
+
+    if buffers:
+        assert dx is dx_buf and dw is kwargs["dweight_out"]
+    assert dx.dtype == x.dtype and dx.stride() == (dx_buf.stride() if buffers else dx.stride())
+    if not buffers and seqlen > 1 and dim > 1:  # dx in x's memory order
+        assert (dx.stride(1) == 1) == layout.startswith("cl")
+    assert dw.dtype == w.dtype and dw.shape == (dim, width)
+    reduction = max(batch * seqlen, 1) ** 0.5
+    rtol, atol = GRAD_TOLERANCE
+    assert_close(dx, rdx, dtype, name="dx")
+    assert_close(dw, rdw, rtol=rtol, atol=atol * reduction, name="dweight")
+    if bias:
+        assert db.dtype == w.dtype
+        assert_close(db, rdb, rtol=rtol, atol=atol * reduction, name="dbias")
+    else:
+        assert db is None
+    if init and dinit:
+        assert_close(di, rdi, dtype, name="dinitial_states")
+    else:
+        assert di is None
+    return dx, dw, db, di
+
+
+WIDTHS = (1, 2, 3, 4, 5, 8, 16, 17, 31, 64, 256)
+LAYOUTS = ("cf", "cl", "cl_slice", "cf_slice", "time_stride2", "misaligned", "misaligned_cl")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_widths_layouts(width, layout):
+    run_bwd(2, 40, 300, width, "float32", layout=layout)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16", "float64"))
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("width", (4, 16))
+def test_dtypes(dtype, layout, width):
+    run_bwd(2, 64, 500, width, dtype, layout=layout)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [("bfloat16", "float32"), ("float16", "bfloat16"), ("float32", "bfloat16"),
+     ("float64", "float32")],
+)  # fmt: skip
+def test_dtype_pairs(dtype, wdtype):
+    run_bwd(2, 24, 130, 4, dtype, wdtype, layout="cl")
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice"))
+@pytest.mark.parametrize("width", (1, 2, 4, 7, 16, 40))
+@pytest.mark.parametrize(
+    "features",
+    ["bias", "nobias-nosilu", "seq", "seq-padding", "init", "dfinal", "seq-init-dfinal", "all"],
+)
+def test_features(layout, width, features):
+    f = set(features.split("-"))
+    run_bwd(
+        3, 33, 257, width, "float32", layout=layout,
+        bias="nobias" not in f, silu="nosilu" not in f,
+        segments=4 if f & {"seq", "all"} else 0, padding=bool(f & {"padding", "all"}),
+        init=bool(f & {"init", "all"}), dfinal=bool(f & {"dfinal", "all"}), seed=width,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("seqlen", (1, 2, 3, 5))
+@pytest.mark.parametrize("width", (4, 8, 31))
+def test_short_rows_with_states(layout, seqlen, width):
+    """L < K - 1: the final states reach into the initial states, and so do their gradients."""
+    run_bwd(
+        2, 16, seqlen, width, "float32", layout=layout, segments=2, padding=False, init=True,
+        dfinal=True, seed=seqlen,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl", "misaligned"))
+def test_buffers(layout):
+    """dx, dweight_out, dbias_out and dinitial_states_out written in place, any strides."""
+    run_bwd(2, 48, 200, 4, "bfloat16", layout=layout, init=True, dfinal=True, buffers=True)
+
+
+@pytest.mark.parametrize("dinit", (False, True))
+def test_no_dinitial_without_request(dinit):
+    run_bwd(1, 8, 50, 4, init=True, dinit=dinit)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 0), (0, 8, 16), (2, 0, 16)])
+def test_empty(shape):
+    """No tokens: dweight and dbias are zero and dinitial_states is dfinal_states."""
+    batch, dim, seqlen = shape
+    run_bwd(batch, dim, seqlen, 4, init=True, dfinal=True, segments=2 if seqlen else 0)
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+def test_repeatable(layout):
+    """Every output the same over repeated runs (no floating-point atomics)."""
+    import torch
+
+    case = dict(layout=layout, segments=3, init=True, dfinal=True)
+    first = run_bwd(2, 256, 2048, 4, "bfloat16", **case)
+    for _ in range(3):
+        again = run_bwd(2, 256, 2048, 4, "bfloat16", **case)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_cupy_inputs():
+    """CuPy arrays in, CuPy arrays out, on CuPy's current stream."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    x64 = rng.standard_normal((2, 16, 100))
+    g64 = rng.standard_normal((2, 16, 100))
+    w64 = rng.standard_normal((16, 4))
+    dx, dw, db, di = cupyconv.causal_conv1d_bwd(
+        cupy.asarray(x64), cupy.asarray(w64), None, cupy.asarray(g64), activation="silu"
+    )
+    rdx, rdw, _, _ = reference.causal_conv1d_bwd(x64, w64, None, g64, activation="silu")
+    assert isinstance(dx, cupy.ndarray) and isinstance(dw, cupy.ndarray) and db is None
+    assert_close(dx, rdx, "float64", name="dx")
+    assert_close(dw, rdw, "float64", name="dweight")
