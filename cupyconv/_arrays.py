@@ -304,6 +304,21 @@ def strides_like(arr: Array) -> tuple[int, ...]:
     return strides
 
 
+def rows_aligned(a: Array, along: int, nbytes: int = 16) -> bool:
+    """Whether ``a`` is contiguous along dim ``along`` (or has one element there) and every run
+    along it starts on an ``nbytes`` boundary: the base pointer and the other dims' strides
+    (where they have more than one element) are multiples of ``nbytes``."""
+    if a.strides[along] != 1 and a.shape[along] != 1:
+        return False
+    if a.ptr % nbytes:
+        return False
+    itemsize = a.itemsize
+    for d, (n, s) in enumerate(zip(a.shape, a.strides)):
+        if d != along and n > 1 and (s * itemsize) % nbytes:
+            return False
+    return True
+
+
 def stride_order(arr: Array) -> tuple[int, ...]:
     """Dims of ``arr`` outermost first, by decreasing stride (ties keep the logical order):
     torch's ``empty_like`` rule."""

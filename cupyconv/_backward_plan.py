@@ -16,17 +16,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._arrays import Array, remember
+from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES
-from ._launch import MAX_GRID, Kernel, Launch, ParamBlock, bind_sources, dtype_code, pack
+from ._launch import (
+    MAX_GRID,
+    Kernel,
+    Launch,
+    ParamBlock,
+    bind_sources,
+    dtype_code,
+    fast_divisor,
+    pack,
+)  # fmt: skip
 
 # Launch constants shared with the kernels.
 CONSTANTS = {
     "WEIGHT_THREADS": 256,  # bwd_weight: threads per block
     "MAX_STATE": 255,  # bwd_initial: most state positions (width - 1)
+    "CHANNEL_TILES": 16,  # bwd_channel: tiles per group (one group per warp)
 }
+TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
+CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
+# bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
+# and on longer rows.
+TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (4, 4), 1024
+# bwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize.
+CHANNEL_TILE = {2: (16, 8), 4: (16, 16), 8: (8, 16)}
+CHANNEL_SMEM = 48 * 1024  # bwd_channel: most static shared memory per block
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_initial, bwd_reduce: threads per block
 PART_LEN = 4096  # bwd_weight: positions (b, t) per part
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 #: The parameter fields every backward kernel takes from the call, after its thirteen pointers
 #: (x, weight, bias, seq_idx, initial_states, dout, dfinal_states, dx, dweight, dbias,
@@ -48,12 +67,20 @@ FIELDS = (
 )  # fmt: skip
 _SCRATCH = ("scratch_batch_stride", "scratch_c_stride", "scratch_l_stride")
 
+TIME = Kernel(
+    "bwd_time", "bwd_time.cu", "BwdTimeParams",
+    ("x_aligned", "dout_aligned", "dx_aligned", "chunk_divisor", "dim_divisor"),
+)  # fmt: skip
+CHANNEL = Kernel(
+    "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
+    ("dout_aligned", "dx_aligned", "strip_divisor", "group_divisor"),
+)  # fmt: skip
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
 WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", ("part_len", *_SCRATCH))
 INITIAL = Kernel("bwd_initial", "bwd_general.cu", "BwdInitialParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
-KERNELS = (DZ, DX, WEIGHT, INITIAL, REDUCE)
+KERNELS = (TIME, CHANNEL, DZ, DX, WEIGHT, INITIAL, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -71,27 +98,53 @@ class BackwardPlan:
     scratch_strides: tuple[int, int, int] | None
 
 
-def all_backward_instances(dtypes=tuple(C_TYPES)) -> dict:
-    """Every backward template instance for these x dtypes, by source."""
+def _time_name(dtype: str, width: int, seq: bool, chunk) -> str:
+    vectors, warps = chunk
+    return f"bwd_time<{C_TYPES[dtype]}, {width}, {str(seq).lower()}, {vectors}, {warps}>"
+
+
+def _channel_name(dtype: str, width: int, seq: bool) -> str:
+    itemsize = ITEMSIZE[dtype]
+    steps, lane_bytes = CHANNEL_TILE[itemsize]
+    per_warp = (2 * steps + 3 * (width - 1)) * 32 * lane_bytes  # x and dout rows staged
+    warps = max(1, min(4, CHANNEL_SMEM // per_warp))
+    s = str(seq).lower()
+    return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {steps}, {lane_bytes}, {warps}>"
+
+
+def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
+    """Every backward template instance the plan can produce for these x dtypes and widths,
+    by source."""
     found: dict = {}
     for d in dtypes:
-        t = C_TYPES[d]
-        for k in KERNELS:
-            found.setdefault(k.source, []).append(f"{k.template}<{t}>")
-    return found
+        for k in (DZ, DX, WEIGHT, INITIAL, REDUCE):
+            found.setdefault(k.source, set()).add(f"{k.template}<{C_TYPES[d]}>")
+        for w in widths:
+            for seq in (False, True):
+                if w <= TIME_MAX_WIDTH:
+                    for chunk in (TIME_SHORT_CHUNK, TIME_LONG_CHUNK):
+                        found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
+                if w <= CHANNEL_MAX_WIDTH:
+                    found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
+    return {source: sorted(names) for source, names in found.items()}
 
 
 _plans: dict[tuple, BackwardPlan] = {}
 
 
-def plan_backward(x: Array, width: int, has_seq: bool, dinit: bool) -> BackwardPlan:
+def plan_backward(
+    x: Array, dout: Array, dx: Array, width: int, has_seq: bool, dinit: bool
+) -> BackwardPlan:
     """The kernels of a backward call on x [batch, dim, seqlen] (dim > 0), with dinitial_states
     when ``dinit``; memoised per layout. Without tokens only the states' gradient and the
     (zero) reductions run."""
-    key = (x.dtype_name, width, has_seq, dinit, x.shape, x.strides)
+    key = (
+        x.dtype_name, width, has_seq, dinit, x.shape, x.strides, x.ptr % 16, dout.strides,
+        dout.ptr % 16, dx.strides, dx.ptr % 16,
+    )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = remember(_plans, key, _plan_backward(x, width, has_seq, dinit))
+        plan = remember(_plans, key, _plan_backward(x, dout, dx, width, has_seq, dinit))
     return plan
 
 
@@ -99,12 +152,18 @@ def _grid(items: int, per_block: int) -> int:
     return max(1, min(-(-items // per_block), MAX_GRID))
 
 
-def _plan_backward(x: Array, width: int, has_seq: bool, dinit: bool) -> BackwardPlan:
+def _plan_backward(x, dout, dx, width: int, has_seq: bool, dinit: bool) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     if batch * seqlen == 0:
         return _finish([], x, width, dinit, 0, None)
     t = C_TYPES[x.dtype_name]
     _, x_c, x_l = x.strides
+    itemsize = ITEMSIZE[x.dtype_name]
+    if (x_l == 1 or (seqlen == 1 and x_c != 1)) and width <= TIME_MAX_WIDTH:
+        return _plan_time(x, dout, dx, width, has_seq, dinit, itemsize)
+    lane_bytes = CHANNEL_TILE[itemsize][1]
+    if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, lane_bytes):
+        return _plan_channel(x, dout, dx, width, has_seq, dinit, itemsize)
     channels_fastest = abs(x_c) < abs(x_l) and seqlen > 1
     if channels_fastest:  # dz laid out [batch, seqlen, dim]
         scratch = (seqlen * dim, 1, dim)
@@ -126,6 +185,42 @@ def _plan_backward(x: Array, width: int, has_seq: bool, dinit: bool) -> Backward
         ),  # fmt: skip
     ]
     return _finish(launches, x, width, dinit, n_parts, scratch)
+
+
+def _plan_time(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
+    batch, dim, seqlen = x.shape
+    chunk = TIME_SHORT_CHUNK if seqlen * itemsize <= TIME_SHORT_ROW else TIME_LONG_CHUNK
+    vectors, warps = chunk
+    per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks, one per warp
+    grid = _grid(batch * dim * per_row, warps)
+    launch = TIME.launch(
+        _time_name(x.dtype_name, width, has_seq, chunk), grid, (32 * warps, 1),
+        x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
+        dx_aligned=rows_aligned(dx, 2), chunk_divisor=fast_divisor(per_row),
+        dim_divisor=fast_divisor(dim),
+    )  # fmt: skip
+    return _finish([launch], x, width, dinit, batch * per_row, None)
+
+
+def _channel_vectors(a: Array, lane_bytes: int) -> bool:
+    """Whether channel-contiguous ``a`` splits into bwd_channel's aligned lane vectors."""
+    return a.shape[1] % (lane_bytes // a.itemsize) == 0 and rows_aligned(a, 1, lane_bytes)
+
+
+def _plan_channel(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
+    batch, dim, seqlen = x.shape
+    steps, lane_bytes = CHANNEL_TILE[itemsize]
+    name = _channel_name(x.dtype_name, width, has_seq)
+    warps = int(name.rsplit(",", 1)[1].rstrip("> "))
+    strips = -(-dim // (32 * lane_bytes // itemsize))
+    groups = -(-seqlen // (steps * CONSTANTS["CHANNEL_TILES"]))
+    grid = _grid(batch * groups * strips, warps)
+    launch = CHANNEL.launch(
+        name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
+        dx_aligned=_channel_vectors(dx, lane_bytes), strip_divisor=fast_divisor(strips),
+        group_divisor=fast_divisor(groups),
+    )  # fmt: skip
+    return _finish([launch], x, width, dinit, batch * groups, None)
 
 
 def _finish(launches: list, x: Array, width: int, dinit: bool, n_parts: int, scratch):

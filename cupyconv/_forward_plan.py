@@ -14,7 +14,7 @@ are template arguments, written into the instance names by :func:`forward_kernel
 
 from __future__ import annotations
 
-from ._arrays import Array, remember
+from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES, Source
 from ._launch import (
     MAX_GRID,
@@ -163,15 +163,6 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _aligned(a: Array, itemsize: int, strides, nbytes: int = 16) -> bool:
-    """Base pointer and the given strides (element counts) aligned to ``nbytes``."""
-    return a.ptr % nbytes == 0 and all((s * itemsize) % nbytes == 0 for s in strides)
-
-
-def _outer_strides(a: Array, dims) -> list[int]:
-    return [a.strides[d] for d in dims if a.shape[d] > 1]
-
-
 _plans: dict[tuple, Launch] = {}
 
 
@@ -225,9 +216,7 @@ def _plan_forward(
 
 def _time_vectors(a: Array, itemsize: int) -> bool:
     """Whether the time-contiguous rows of ``a`` start on 16-byte boundaries."""
-    return (a.strides[2] == 1 or a.shape[2] == 1) and _aligned(
-        a, itemsize, _outer_strides(a, (0, 1))
-    )
+    return rows_aligned(a, 2)
 
 
 def _plan_time(x, out, chunk, name, itemsize) -> Launch:
@@ -289,8 +278,7 @@ def _plan_time_wide(x, out, width, has_seq, name, itemsize) -> Launch:
 def _channel_vectors(a: Array, itemsize: int) -> bool:
     """Whether channel-contiguous ``a`` splits into fwd_channel's aligned lane vectors."""
     nbytes = CHANNEL_TILES[itemsize][1]
-    whole = a.shape[1] % (nbytes // itemsize) == 0
-    return whole and _aligned(a, itemsize, _outer_strides(a, (0, 2)), nbytes)
+    return a.shape[1] % (nbytes // itemsize) == 0 and rows_aligned(a, 1, nbytes)
 
 
 def _plan_channel(x, out, name, itemsize) -> Launch:
@@ -302,7 +290,7 @@ def _plan_channel(x, out, name, itemsize) -> Launch:
     grid = min(-(-(batch * steps_per_row * strips) // warps), MAX_GRID)  # a tile a warp
     return CHANNEL.launch(
         name, grid, (32 * warps, 1),
-        out_aligned=out.strides[1] == 1 and _channel_vectors(out, itemsize),
+        out_aligned=_channel_vectors(out, itemsize),
         strip_divisor=fast_divisor(strips), step_divisor=fast_divisor(steps_per_row),
     )  # fmt: skip
 

@@ -42,6 +42,14 @@ def causal_conv1d_bwd(
     return_dinitial_states and initial_states is given, else None. SiLU's derivative is taken
     at the recomputed pre-activation.
     """
+    if type(x).__module__.startswith("torch"):  # traced by torch.compile: the custom operators
+        from . import _torch_ops
+
+        if _torch_ops.traced(x):
+            return _torch_ops.causal_conv1d_bwd(
+                x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+                return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
+            )  # fmt: skip
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
@@ -123,7 +131,7 @@ def _backward_gpu(call: _BackwardCall):
 def _launch_backward(call: _BackwardCall, dx, dweight, dbias, dinit) -> None:
     a = call.conv
     x = a.x
-    plan = plan_backward(x, a.width, a.seq_idx is not None, dinit is not None)
+    plan = plan_backward(x, call.dout, dx, a.width, a.seq_idx is not None, dinit is not None)
     acc = _acc_dtype(x)
     parts = (plan.n_parts, x.shape[1], a.width + 1)
     partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)

@@ -1,0 +1,214 @@
+// bwd_time.cu: the backward for time-contiguous x (x_l_stride == 1, or rows of one step).
+//
+//   bwd_time<T, K, SEQ, NV, WARPS>
+//       width K <= the plan's TIME_MAX_WIDTH. Rows are cut into chunks of 32 NV vectors of VN
+//       elements (16 bytes each), one chunk per warp, WARPS warps a block, handed out in order
+//       (chunks of a row, then rows). SEQ says whether seq_idx is given.
+//
+// A warp stages its chunk of x with HV vectors on each side (HV VN >= K-1) and its chunk of
+// dout with HV vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that
+// are misaligned, strided or cut mid-vector element by element), then lane l computes the
+// vectors l, l + 32, ... of the chunk: dz at the VN + K - 1 positions from its vector's start
+// (the pre-activation recomputed from x), dx at its VN positions, and its share of the chunk's
+// dweight / dbias sums. The warp adds the lanes' shares in a fixed tree and lane 0 writes them
+// as part (b, chunk) of the partials. Positions before the row are initial_states (zeros
+// without them); dz past the row's end is 0. The chunk index is divided by the plan's fast
+// divisors p.chunk_divisor (chunks per row) and p.dim_divisor. p.x_aligned / p.dout_aligned /
+// p.dx_aligned: rows time-contiguous and starting on 16-byte boundaries.
+#include "bwd_common.cuh"
+
+template <typename T, int K, bool SEQ, int NV, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_constant__ BwdTimeParams p) {
+    using A = typename AccOf<T>::type;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                dout_batch_stride = p.dout_batch_stride, dout_c_stride = p.dout_c_stride,
+                dout_l_stride = p.dout_l_stride, dx_batch_stride = p.dx_batch_stride, dx_c_stride = p.dx_c_stride,
+                dx_l_stride = p.dx_l_stride, chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor;
+    const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
+              x_aligned = (int)p.x_aligned, dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned;
+    using Raw = typename Vec<T>::Raw;
+    constexpr int VN = Vec<T>::V;              // elements per 16-byte vector
+    constexpr int HV = (K - 1 + VN - 1) / VN;  // halo vectors on each side
+    constexpr int HE = HV * VN;                // halo elements (>= K-1)
+    constexpr int OFF = HE - (K - 1);          // window slot of tap 0 for position 0
+    constexpr int G = VN + K - 1;              // dz positions a lane computes
+    constexpr int span = 32 * NV * VN;         // elements per chunk
+    constexpr int XV = 32 * NV + 2 * HV, DV = 32 * NV + HV;  // staged vectors of x and dout
+    const int lane = threadIdx.x & 31;
+    const int64 chunks_per_row = (seqlen + span - 1) / span;
+    const int64 n_chunks = batch * dim * chunks_per_row;
+    __shared__ Raw stage_mem[WARPS][XV + DV];
+    Raw* const xs = stage_mem[threadIdx.x / 32];
+    Raw* const ds = xs + XV;
+
+    for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
+        int64 row, chunk, b, c;
+        divmod_fast(g, chunks_per_row, chunk_divisor, row, chunk);
+        divmod_fast(row, dim, dim_divisor, b, c);
+        const int64 start = chunk * span;
+        const int n = (int)min(seqlen - start, (int64)span);  // positions of the chunk in the row
+        const T* const xr = x + b * x_batch_stride + c * x_c_stride;
+        const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
+        T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
+        const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
+
+        __syncwarp();  // the stage's last readers are done
+        // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ..
+        if (x_aligned && whole) {
+            #pragma unroll
+            for (int r = 0; r < (XV + 31) / 32; ++r) {
+                const int v = 32 * r + lane;
+                const int64 pos = start + (int64)(v - HV) * VN;
+                const bool in_row = pos >= 0 && pos < seqlen;
+                if (v < XV) cp_async<16>(xs + v, in_row ? xr + pos : xr, in_row ? 16 : 0);
+            }
+        } else {
+            T* const e = reinterpret_cast<T*>(xs);
+            for (int q = lane; q < XV * VN; q += 32) {
+                const int64 pos = start - HE + q;
+                e[q] = pos >= 0 && pos < seqlen ? xr[pos * x_l_stride] : T();
+            }
+        }
+        if (dout_aligned && whole) {
+            #pragma unroll
+            for (int r = 0; r < (DV + 31) / 32; ++r) {
+                const int v = 32 * r + lane;
+                const int64 pos = start + (int64)v * VN;
+                const bool in_row = pos < seqlen;
+                if (v < DV) cp_async<16>(ds + v, in_row ? dr + pos : dr, in_row ? 16 : 0);
+            }
+        } else {
+            T* const e = reinterpret_cast<T*>(ds);
+            for (int q = lane; q < DV * VN; q += 32) {
+                const int64 pos = start + q;
+                e[q] = pos < seqlen ? dr[pos * dout_l_stride] : T();
+            }
+        }
+        cp_async_commit();
+        // Lane k < K loads tap k, lane K the bias; every lane gets all of them by shuffles.
+        const bool tap = lane < K;
+        const void* const param = tap ? weight : bias;
+        A mine = A(0);
+        if (lane <= K && param)
+            mine = load_as<A>(param, tap ? weight_dtype : bias_dtype,
+                              tap ? c * weight_c_stride + lane * weight_width_stride : c * bias_stride);
+        A w[K];
+        #pragma unroll
+        for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
+        const A bias_c = __shfl_sync(0xffffffffu, mine, K);
+        cp_async_wait<0>();
+        __syncwarp();
+
+        A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c]
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int q = 32 * j + lane;  // vector of the chunk
+            const int i = q * VN;         // its chunk offset
+            if (i >= n) break;
+            A xw[2 * HE + VN];  // x at positions start + i - HE ..
+            #pragma unroll
+            for (int h = 0; h < 2 * HV + 1; ++h) {
+                Vec<T> v;
+                v.raw = xs[q + h];
+                widen<T, A, VN>(v.e, xw + h * VN);
+            }
+            if (initial_states && start + i < K - 1) {  // positions before the row
+                #pragma unroll
+                for (int u = OFF; u < HE; ++u) {
+                    const int64 pos = start + i - HE + u;
+                    if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
+                }
+            }
+            A gw[HE + VN];  // dout at positions start + i ..
+            #pragma unroll
+            for (int h = 0; h < HV + 1; ++h) {
+                Vec<T> v;
+                v.raw = ds[q + h];
+                widen<T, A, VN>(v.e, gw + h * VN);
+            }
+            int64 ids[SEQ ? G + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
+            if constexpr (SEQ) {
+                #pragma unroll
+                for (int u = 0; u < G + K - 1; ++u) {
+                    const int64 pos = start + i - (K - 1) + u;
+                    ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                }
+            }
+            const int limit = n - i;  // positions i + m of the row: m < limit
+            A dz[G];
+            #pragma unroll
+            for (int m = 0; m < G; ++m) {
+                A gm = gw[m];
+                if (silu_act) {
+                    A z = bias_c;
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if constexpr (SEQ) {
+                            if (ids[m + k] == ids[m + K - 1]) z += w[k] * xw[OFF + m + k];
+                        } else {
+                            z += w[k] * xw[OFF + m + k];
+                        }
+                    }
+                    gm *= silu_grad(z);
+                }
+                if constexpr (SEQ) {
+                    if (ids[m + K - 1] < 0) gm = A(0);  // padding
+                }
+                dz[m] = m < limit ? gm : A(0);
+            }
+            A acc[VN];
+            #pragma unroll
+            for (int o = 0; o < VN; ++o) {
+                acc[o] = A(0);
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
+                    if constexpr (SEQ) {
+                        if (ids[o + K - 1] == ids[o + 2 * (K - 1) - k]) acc[o] += w[k] * dz[o + K - 1 - k];
+                    } else {
+                        acc[o] += w[k] * dz[o + K - 1 - k];
+                    }
+                }
+                if (o < limit) {
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        if constexpr (SEQ) {
+                            if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
+                        } else {
+                            dw[k] += dz[o] * xw[OFF + o + k];
+                        }
+                    }
+                    dw[K] += dz[o];
+                }
+            }
+            if (dfinal_states && start + i + VN > seqlen - (K - 1)) {  // the row's last K-1 positions
+                #pragma unroll
+                for (int o = 0; o < VN; ++o) {
+                    const int64 s = start + i + o;
+                    if (s < seqlen && s >= seqlen - (K - 1)) acc[o] += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, s);
+                }
+            }
+            Vec<T> res;
+            #pragma unroll
+            for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
+            if (dx_aligned && whole) {
+                reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
+            } else {
+                #pragma unroll
+                for (int o = 0; o < VN; ++o)
+                    if (o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+            }
+        }
+        #pragma unroll
+        for (int k = 0; k <= K; ++k) {
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) dw[k] += __shfl_xor_sync(0xffffffffu, dw[k], o);
+        }
+        if (lane == 0) {
+            A* const out = partials + ((b * chunks_per_row + chunk) * dim + c) * (K + 1);
+            #pragma unroll
+            for (int k = 0; k <= K; ++k) out[k] = dw[k];
+        }
+    }
+}
