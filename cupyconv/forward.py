@@ -52,13 +52,32 @@ def causal_conv1d_fn(
     out:            optional [batch, dim, seqlen] buffer of x's dtype, any strides, not
                     overlapping x
     Returns out, or (out, final_states). Results come back in x's framework, on x's device and
-    (for torch) on the current stream.
+    (for torch) on the current stream. torch tensors are differentiable in x, weight, bias and
+    initial_states, and work under torch.compile (``cupyconv/_torch_ops.py``).
     """
+    if type(x).__module__.startswith("torch") and (_torch_ops or _load_torch_ops()).needs_op(
+        x, weight, bias, initial_states
+    ):  # autograd records the call, or torch.compile traces it: the custom operators
+        return _torch_ops.causal_conv1d_fn(
+            x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+            activation, out,
+        )  # fmt: skip
     call = _ForwardCall(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
         activation, out,
     )  # fmt: skip
     return _forward_gpu(call) if call.conv.x.on_gpu else _forward_cpu(call)
+
+
+_torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (it imports torch)
+
+
+def _load_torch_ops():
+    global _torch_ops
+    from . import _torch_ops as module
+
+    _torch_ops = module
+    return module
 
 
 def warmup(*args, **kwargs) -> None:
