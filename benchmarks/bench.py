@@ -33,6 +33,9 @@ is copy speed). The copy row's GB/s counts the bytes it reads plus the bytes it 
 
 Back-to-back calls on the same buffers are what a model does; shapes whose x fits in L2 (60 MB on
 an H200) profit from it, and so does the copy they are compared with.
+
+``bench_bwd.py`` times the backward and a training step with the same machinery (``measure_case``,
+``time_fn``, ``print_table``, ``write_json``, ``draw_png``), which lives here.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Runs from any directory: the cupyconv of this checkout comes first.
@@ -58,6 +63,8 @@ MAX_CALLS = 10_000
 PROVIDERS = ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d")
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +90,21 @@ class Case:
             name += "-nobias"
         return name
 
+    @property
+    def numel(self) -> int:
+        """Elements of x (and of out, dout, dx)."""
+        return self.batch * self.dim * self.seqlen
+
+    @property
+    def x_bytes(self) -> int:
+        """Bytes of x (and of out, dout, dx)."""
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of weight and bias."""
+        return self.dim * (self.width + int(self.bias)) * DTYPE_BYTES[self.dtype]
+
 
 def default_cases() -> list[Case]:
     """The acceptance rows (bf16, width 4, SiLU, bias unless the row says otherwise)."""
@@ -105,14 +127,14 @@ def select_cases(cases: list[Case], pattern: str | None) -> list[Case]:
     return [case for case in cases if any(p in case.name for p in parts)]
 
 
-def make_inputs(case: Case):
-    """x, weight, bias on the GPU; the same values for a case whatever else runs."""
+def make_inputs(case: Case, device: str = "cuda"):
+    """x, weight, bias on ``device``; the same values for a case whatever else runs."""
     import torch
 
     torch.manual_seed(0)
     dtype = getattr(torch, case.dtype)
     batch, dim, seqlen = case.batch, case.dim, case.seqlen
-    opts = {"device": "cuda", "dtype": dtype}
+    opts = {"device": device, "dtype": dtype}
     if case.layout == "cf":
         x = torch.randn(batch, dim, seqlen, **opts)
     elif case.layout == "cl":
@@ -191,39 +213,77 @@ def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
     estimate_ms = loop_ms(5) / 5
     n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
     per_call_us = [loop_ms(n) * 1e3 / n for _ in range(repeats)]
+    return spread(per_call_us, n)
+
+
+def spread(per_call_us: list[float], calls: int) -> dict:
+    """A timing result: median, min and max per-call microseconds over the repeated loops."""
     return {
         "us_median": statistics.median(per_call_us),
         "us_min": min(per_call_us),
         "us_max": max(per_call_us),
-        "calls": n,
-        "repeats": repeats,
+        "calls": calls,
+        "repeats": len(per_call_us),
     }
+
+
+def host_time_fn(fn, *, sync, repeats: int, target_ms: float, warmup: int = 3) -> dict:
+    """Per-call time of ``fn`` on the host clock, in microseconds (the keys of ``time_fn``).
+
+    Each loop is n back-to-back calls timed with ``time.perf_counter``, ending with
+    ``sync(last result)`` (``torch.cuda.synchronize``, JAX's ``block_until_ready``): what a
+    caller waits for per call, host path included, where the GPU is not the limit.
+    """
+    last = None
+    for _ in range(warmup):
+        last = fn()
+    sync(last)
+
+    def loop_s(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            result = fn()
+        sync(result)
+        return time.perf_counter() - start
+
+    estimate_ms = loop_s(5) * 1e3 / 5
+    n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
+    return spread([loop_s(n) * 1e6 / n for _ in range(repeats)], n)
+
+
+def torch_conv(case: Case, x, weight3, bias):
+    """The torch baseline, ``weight3`` being the [dim, 1, width] view of weight:
+    ``act(F.conv1d(x, weight3, bias, padding=width-1, groups=dim)[..., :seqlen])``."""
+    import torch.nn.functional as F
+
+    out = F.conv1d(x, weight3, bias, padding=case.width - 1, groups=case.dim)
+    out = out[..., : case.seqlen]
+    return out if case.activation is None else F.silu(out)
+
+
+def copy_provider(x):
+    """(fn, None): ``dst.copy_(src)`` of two dense buffers of x's dtype and numel."""
+    import torch
+
+    src = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src), None
 
 
 def make_providers(case: Case, x, weight, bias, reference_fn):
     """{provider: (fn, skip reason)} in table order; fn is None where the provider is skipped."""
-    import torch
-    import torch.nn.functional as F
-
     import cupyconv
 
-    src = torch.empty(x.numel(), dtype=x.dtype, device="cuda")
-    dst = torch.empty_like(src)
     weight3 = weight.unsqueeze(1)
-
-    def torch_conv():
-        out = F.conv1d(x, weight3, bias, padding=case.width - 1, groups=case.dim)
-        out = out[..., : case.seqlen]
-        return out if case.activation is None else F.silu(out)
 
     def ours():
         return cupyconv.causal_conv1d_fn(x, weight, bias, activation=case.activation)
 
     providers = {
-        "copy": (lambda: dst.copy_(src), None),
+        "copy": copy_provider(x),
         "cupyconv": (ours, None),
         "cupyconv graph": graphed(ours),
-        "torch": (torch_conv, None),
+        "torch": (lambda: torch_conv(case, x, weight3, bias), None),
     }
     if reference_fn is not None:
         if 2 <= case.width <= 4:
@@ -285,20 +345,38 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
-def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float):
-    """Check, then time every provider on one case; one row per provider, never raises."""
-    import torch
+#: A provider: (fn, skip reason); fn is None where the provider is skipped.
+Provider = tuple[Callable | None, str | None]
 
-    itemsize = torch.empty((), dtype=getattr(torch, case.dtype)).element_size()
-    x_bytes = case.batch * case.dim * case.seqlen * itemsize
-    param_bytes = case.dim * (case.width + int(case.bias)) * itemsize
-    min_bytes = {"copy": 2 * x_bytes}  # read + write; the others: x + out + weight + bias
+#: ``compare(provider, fn)`` runs fn once and raises AssertionError unless it matches the oracle.
+Compare = Callable[[str, Callable], None]
 
+
+def measure_case(
+    case: Case,
+    setup: Callable[[], tuple[dict[str, Provider], Callable[[], tuple[Compare, str]]]],
+    *,
+    names: tuple[str, ...],
+    bytes_of: Callable[[str], int],
+    do_check: bool,
+    repeats: int,
+    target_ms: float,
+    timers: dict[str, Callable] | None = None,
+    timed_if_off: tuple[str, ...] = (),
+) -> list[dict]:
+    """Check, then time every provider on one case; one row per provider, never raises.
+
+    ``setup()`` builds the inputs and returns ``(providers, checker)``: providers in table order,
+    and ``checker()``, called only when checking, which computes the oracle and returns
+    ``(compare, where)``, ``where`` describing the checked subset. ``names`` are the rows reported
+    when setup itself fails; ``bytes_of(provider)`` the bytes its GB/s counts. Providers are timed
+    with ``time_fn`` unless ``timers`` names another timer for them (same signature). A provider
+    whose check fails is not timed, unless ``timed_if_off`` names it (baselines that are less
+    precise than the contract): its row then keeps the failed check and gets the times too.
+    """
     try:
-        x, weight, bias = make_inputs(case)
-        providers = make_providers(case, x, weight, bias, reference_fn)
+        providers, checker = setup()
     except Exception as exc:  # noqa: BLE001 (a failed case must not stop the others)
-        names = PROVIDERS if reference_fn is not None else PROVIDERS[:-1]
         rows = [new_row(case, name) for name in names]
         for row in rows:
             row.update(status="error", message=f"inputs: {error_text(exc)}")
@@ -306,14 +384,13 @@ def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_m
 
     rows = {name: new_row(case, name) for name in providers}
     for name, (_, skip) in providers.items():
-        rows[name]["bytes"] = min_bytes.get(name, 2 * x_bytes + param_bytes)
+        rows[name]["bytes"] = bytes_of(name)
         if skip is not None:
             rows[name].update(status="skipped", message=skip)
 
     if do_check:
         try:
-            subset = check_subset(case)
-            expected = oracle(case, x, weight, bias, *subset)
+            compare, where = checker()
             oracle_error = None
         except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
             oracle_error = f"oracle: {error_text(exc)}"
@@ -324,26 +401,25 @@ def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_m
             try:
                 if oracle_error is not None:
                     raise RuntimeError(oracle_error)
-                check(case, name, fn, expected, *subset)
+                compare(name, fn)
                 row["check"] = "ok"
-                rows_checked = sorted({0, case.batch - 1})
-                print(
-                    f"check {case.name} {name}: ok (batch rows {rows_checked}, "
-                    f"{len(subset[1])} of {case.dim} channels)"
-                )
+                print(f"check {case.name} {name}: ok ({where})")
             except AssertionError as exc:
                 row.update(status="check failed", check="failed", message=str(exc))
-                print(f"check {case.name} {name}: FAILED {exc}")
+                anyway = " (timed anyway)" if name in timed_if_off else ""
+                print(f"check {case.name} {name}: FAILED{anyway} {exc}")
             except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
                 row.update(status="error", message=error_text(exc))
                 print(f"check {case.name} {name}: ERROR {error_text(exc)}")
 
+    timers = timers or {}
     for name, (fn, _) in providers.items():
         row = rows[name]
-        if fn is None or row["status"] != "ok":
+        timed_anyway = row["status"] == "check failed" and name in timed_if_off
+        if fn is None or (row["status"] != "ok" and not timed_anyway):
             continue
         try:
-            row.update(time_fn(fn, repeats=repeats, target_ms=target_ms))
+            row.update(timers.get(name, time_fn)(fn, repeats=repeats, target_ms=target_ms))
         except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
             row.update(status="error", message=error_text(exc))
             continue
@@ -356,34 +432,83 @@ def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_m
     return list(rows.values())
 
 
-def print_table(rows: list[dict], meta: dict) -> None:
-    """The results table, one line per case and provider, columns aligned."""
+def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float):
+    """The forward rows of one case (``measure_case``): x read + out written + weight + bias,
+    the copy's read + write."""
 
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
+    def bytes_of(provider: str) -> int:
+        if provider == "copy":
+            return 2 * case.x_bytes
+        return 2 * case.x_bytes + case.param_bytes
 
-    header = ("case", "provider", "us", "min-max us", "GB/s", "copy/time", "note")
-    lines = []
-    for row in rows:
-        spread = None
-        if row["us_min"] is not None:
-            spread = f"{row['us_min']:.1f}-{row['us_max']:.1f}"
-        note = "" if row["status"] == "ok" else f"{row['status']}: {row['message']}"
-        if len(note) > 90:
-            note = note[:87] + "..."
-        lines.append(
-            (
-                row["case"],
-                row["provider"],
-                fmt(row["us_median"], ".1f"),
-                spread or "-",
-                fmt(row["gbps"], ".0f"),
-                fmt(row["copy_ratio"], ".2f"),
-                note,
+    def setup():
+        x, weight, bias = make_inputs(case)
+        providers = make_providers(case, x, weight, bias, reference_fn)
+
+        def checker():
+            subset = check_subset(case)
+            expected = oracle(case, x, weight, bias, *subset)
+            where = (
+                f"batch rows {sorted({0, case.batch - 1})}, {len(subset[1])} of {case.dim} channels"
             )
-        )
+            return (lambda name, fn: check(case, name, fn, expected, *subset)), where
+
+        return providers, checker
+
+    return measure_case(
+        case,
+        setup,
+        names=PROVIDERS if reference_fn is not None else PROVIDERS[:-1],
+        bytes_of=bytes_of,
+        do_check=do_check,
+        repeats=repeats,
+        target_ms=target_ms,
+    )
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def us_spread(row: dict) -> str:
+    if row["us_min"] is None:
+        return "-"
+    return f"{row['us_min']:.1f}-{row['us_max']:.1f}"
+
+
+def note(row: dict) -> str:
+    text = "" if row["status"] == "ok" else f"{row['status']}: {row['message']}"
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+#: A table column: (header, cell text of a row, right-aligned).
+Column = tuple[str, Callable[[dict], str], bool]
+
+FORWARD_COLUMNS: tuple[Column, ...] = (
+    ("case", lambda row: row["case"], False),
+    ("provider", lambda row: row["provider"], False),
+    ("us", lambda row: fmt(row["us_median"], ".1f"), True),
+    ("min-max us", us_spread, True),
+    ("GB/s", lambda row: fmt(row["gbps"], ".0f"), True),
+    ("copy/time", lambda row: fmt(row["copy_ratio"], ".2f"), True),
+    ("note", note, False),
+)
+
+
+def print_table(
+    rows: list[dict],
+    meta: dict,
+    columns: tuple[Column, ...] = FORWARD_COLUMNS,
+    *,
+    title: str | None = None,
+    unit: str = "GB/s",
+) -> None:
+    """The results table, one line per case and provider, columns aligned; ``unit`` (GB/s or
+    TB/s) is the one of the copy's summary line."""
+    header = tuple(name for name, _, _ in columns)
+    lines = [tuple(cell(row) for _, cell, _ in columns) for row in rows]
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
-    right = {2, 3, 4, 5}  # numbers
+    right = {i for i, (_, _, numeric) in enumerate(columns) if numeric}
 
     def render(line):
         cells = [
@@ -393,15 +518,22 @@ def print_table(rows: list[dict], meta: dict) -> None:
         return "  ".join(cells).rstrip()
 
     print()
+    if title:
+        print(title)
+    versions = f"torch {meta['torch']}  cupyconv {meta['cupyconv']}  "
+    if "jax" in meta:
+        versions += f"jax {meta['jax'] or 'not installed'}  "
     print(
-        f"device: {meta['device']}  torch {meta['torch']}  cupyconv {meta['cupyconv']}  "
+        f"device: {meta['device']}  {versions}"
         f"causal_conv1d {meta['causal_conv1d'] or 'not installed'}"
     )
-    copy_gbps = [row["gbps"] for row in rows if row["provider"] == "copy" and row["gbps"]]
-    if copy_gbps:
+    copy_rates = [row["gbps"] for row in rows if row["provider"] == "copy" and row["gbps"]]
+    if copy_rates:
+        scale, spec = (1e-3, ".2f") if unit == "TB/s" else (1.0, ".0f")
+        copy_rates = [rate * scale for rate in copy_rates]
         print(
-            f"copy (read + write): median {statistics.median(copy_gbps):.0f} GB/s, "
-            f"{min(copy_gbps):.0f}-{max(copy_gbps):.0f} over {len(copy_gbps)} cases"
+            f"copy (read + write): median {statistics.median(copy_rates):{spec}} {unit}, "
+            f"{min(copy_rates):{spec}}-{max(copy_rates):{spec}} over {len(copy_rates)} cases"
         )
     print(render(header))
     print(render(tuple("-" * w for w in widths)))
@@ -419,8 +551,16 @@ def write_json(path: str, rows: list[dict], meta: dict) -> None:
         f.write("\n")
 
 
-def draw_png(path: str, rows: list[dict], meta: dict) -> None:
-    """Grouped bars of copy/time per case and provider; the copy is the line at 1.0."""
+def draw_png(
+    path: str,
+    rows: list[dict],
+    meta: dict,
+    *,
+    title: str = "causal_conv1d forward",
+    marks: tuple[tuple[float, str], ...] = (),
+) -> None:
+    """Grouped bars of copy/time per case and provider; the copy is the line at 1.0, ``marks``
+    more dotted lines as (height, label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -437,10 +577,12 @@ def draw_png(path: str, rows: list[dict], meta: dict) -> None:
         positions = [j + (i - (len(providers) - 1) / 2) * bar for j in range(len(cases))]
         ax.bar(positions, values, bar, label=provider)
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="copy")
+    for height, label in marks:
+        ax.axhline(height, color="gray", linewidth=1, linestyle=":", label=label)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("copy time / provider time")
-    ax.set_title(f"causal_conv1d forward, {meta['device']}")
+    ax.set_title(f"{title}, {meta['device']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -456,11 +598,8 @@ def use_ieee_fp32_convs(torch) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Forward benchmark of cupyconv.causal_conv1d_fn against a device-to-device "
-        "copy of x's bytes, torch conv1d and causal_conv1d (when importable).",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark table takes."""
     parser.add_argument(
         "--cases",
         metavar="SUBSTR",
@@ -479,6 +618,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--png", metavar="PATH", help="bar chart of copy/time per case and provider (matplotlib)"
     )
+
+
+def timing_options(parser: argparse.ArgumentParser, args) -> tuple[int, float]:
+    """(repeats, target_ms) from the options; a parser error for an invalid --repeats."""
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    return args.repeats or (3 if args.quick else 10), 10.0 if args.quick else 25.0
+
+
+def load_reference():
+    """(causal_conv1d module, its causal_conv1d_fn), or (None, None) when not importable."""
+    try:
+        import causal_conv1d
+        from causal_conv1d import causal_conv1d_fn as reference_fn
+    except ImportError:
+        return None, None
+    return causal_conv1d, reference_fn
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Forward benchmark of cupyconv.causal_conv1d_fn against a device-to-device "
+        "copy of x's bytes, torch conv1d and causal_conv1d (when importable).",
+    )
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
     cases = select_cases(default_cases(), args.cases)
@@ -488,12 +652,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not cases:
         parser.error(f"no case name contains any of {args.cases!r} (see --list)")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    repeats, target_ms = timing_options(parser, args)
     if args.png and importlib.util.find_spec("matplotlib") is None:
         parser.error("--png needs matplotlib, which is not installed")
-    repeats = args.repeats or (3 if args.quick else 10)
-    target_ms = 10.0 if args.quick else 25.0
 
     import torch
 
@@ -502,12 +663,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device; torch sees none")
     use_ieee_fp32_convs(torch)
-
-    try:
-        import causal_conv1d
-        from causal_conv1d import causal_conv1d_fn as reference_fn
-    except ImportError:
-        causal_conv1d, reference_fn = None, None
+    causal_conv1d, reference_fn = load_reference()
 
     meta = {
         "device": torch.cuda.get_device_name(),

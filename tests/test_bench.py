@@ -1,0 +1,290 @@
+"""The CPU-checkable parts of benchmarks/bench.py and benchmarks/bench_bwd.py: case lists, byte
+counts, the table layout, and the check-then-time driver run on tiny CPU tensors with a stand-in
+timer (the GPU timing itself runs on the benchmark machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench  # noqa: E402 (after the path set-up above)
+import bench_bwd  # noqa: E402
+from bench import Case  # noqa: E402
+
+FORWARD_CASES = [
+    "cf-bf16-8x5120x2048-w4",
+    "cl-bf16-8x5120x2048-w4",
+    "cf-bf16-1x4096x16384-w4",
+    "cl-bf16-1x4096x16384-w4",
+    "cf-bf16-64x1024x512-w4",
+    "cl-bf16-64x1024x512-w4",
+    "slice-bf16-8x5120x2048-w4",
+    "cf-fp32-8x5120x2048-w4",
+    "cl-fp32-8x5120x2048-w4",
+    "cf-fp16-8x5120x2048-w4",
+    "cf-bf16-8x5120x2048-w8",
+    "cf-bf16-8x5120x2048-w16",
+    "cf-bf16-8x5120x2048-w31",
+    "cf-bf16-8x5120x2048-w64",
+    "cf-bf16-8x5120x2048-w256",
+    "cl-bf16-8x5120x2048-w64",
+]
+
+
+def fake_timer(fn, *, repeats, target_ms, sync=None):
+    """Stands in for time_fn / host_time_fn: runs fn once, reports 10-12 us per call."""
+    result = fn()
+    if sync is not None:
+        sync(result)
+    return bench.spread([10.0, 11.0, 12.0][:repeats], 5)
+
+
+def run(table, case, env, **kwargs):
+    options = {"do_check": True, "repeats": 3, "target_ms": 1.0}
+    return bench_bwd.run_case(
+        table, case, env, timer=fake_timer, host_timer=fake_timer, **(options | kwargs)
+    )
+
+
+def by_provider(rows):
+    return {row["provider"]: row for row in rows}
+
+
+# ---- case lists and CLI ------------------------------------------------------------------------
+
+
+def test_forward_list_is_unchanged(capsys):
+    bench.main(["--list"])
+    assert capsys.readouterr().out.split() == FORWARD_CASES
+
+
+def test_bwd_list(capsys):
+    bench_bwd.main(["--list"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    bwd = [name for table, name in lines if table == "bwd"]
+    train = [name for table, name in lines if table == "train"]
+    assert len(bwd) == len(set(bwd)) == 23
+    for name in ("slice-bf16-8x5120x2048-w4", "cl-fp32-8x5120x2048-w4", "cl-bf16-1x256x512-w4"):
+        assert name in bwd
+    for layout in ("cf", "cl"):
+        for width in (8, 16, 31, 64, 128, 256):
+            assert f"{layout}-bf16-8x5120x2048-w{width}" in bwd
+    assert train == [
+        "cf-bf16-1x256x512-w4",
+        "cl-bf16-1x256x512-w4",
+        "cf-bf16-8x5120x2048-w4",
+        "cl-bf16-8x5120x2048-w4",
+    ]
+
+
+def test_headline_names_exist():
+    for table in bench_bwd.TABLES:
+        names = [case.name for case in bench_bwd.table_cases(table)]
+        assert set(bench_bwd.HEADLINE[table]) <= set(names)
+        assert len(bench_bwd.table_cases(table, headline=True)) == len(bench_bwd.HEADLINE[table])
+
+
+def test_list_narrows(capsys):
+    bench_bwd.main(["--list", "--table", "bwd", "--headline", "--cases", "1x256,slice"])
+    assert capsys.readouterr().out.split() == [
+        "bwd",
+        "slice-bf16-8x5120x2048-w4",
+        "bwd",
+        "cf-bf16-1x256x512-w4",
+        "bwd",
+        "cl-bf16-1x256x512-w4",
+    ]
+
+
+@pytest.mark.parametrize("argv", [["--table", "fwd"], ["--table", ","], ["--cases", "nothing"]])
+def test_bad_options(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_bwd.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_without_a_gpu_it_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench_bwd.main(["--cases", "1x256", "--table", "bwd", "--quick"])
+
+
+# ---- bytes, tolerances, names -------------------------------------------------------------------
+
+
+def test_bytes():
+    case = Case(8, 5120, 2048)
+    x_bytes = 8 * 5120 * 2048 * 2
+    assert case.x_bytes == x_bytes
+    assert Case(8, 5120, 2048, dtype="float32").x_bytes == 2 * x_bytes
+    assert case.param_bytes == 5120 * 5 * 2
+    assert bench_bwd.bytes_of("bwd", case, "copy") == 2 * x_bytes
+    assert bench_bwd.bytes_of("bwd", case, "cupyconv") == 3 * x_bytes
+    assert bench_bwd.bytes_of("train", case, "torch") == 5 * x_bytes
+    # platform.md: the reference's 168 us channel-first backward is 3.0 TB/s over x, dout, dx
+    assert round(bench_bwd.bytes_of("bwd", case, "causal_conv1d") / 168e-6 / 1e12, 1) == 3.0
+
+
+def test_host_timed_cases():
+    timed = {case.name for table in bench_bwd.TABLES for case in bench_bwd.table_cases(table)}
+    timed = {name for name in timed if bench_bwd.host_timed(bench_bwd.Case(*parse(name)))}
+    assert timed == {"cf-bf16-1x256x512-w4", "cl-bf16-1x256x512-w4"}
+
+
+def parse(name):
+    layout, _, shape, width = name.split("-")
+    batch, dim, seqlen = (int(n) for n in shape.split("x"))
+    return batch, dim, seqlen, layout, "bfloat16", int(width[1:])
+
+
+def test_grad_tolerance_scales_with_the_reduction():
+    rtol, atol = bench_bwd.grad_tolerance(Case(8, 5120, 2048))
+    assert rtol == 1e-2  # bfloat16's own rounding
+    assert atol == pytest.approx(1e-3 * (8 * 2048) ** 0.5)
+    assert bench_bwd.grad_tolerance(Case(1, 64, 100, dtype="float32")) == (1e-3, 1e-2)
+
+
+def test_png_paths():
+    assert bench_bwd.png_path("out/b.png", "bwd", ["bwd", "train"]) == "out/b.png"
+    assert bench_bwd.png_path("out/b.png", "train", ["bwd", "train"]) == "out/b-train.png"
+    assert bench_bwd.png_path("b.png", "train", ["train"]) == "b.png"
+
+
+# ---- tables -----------------------------------------------------------------------------------
+
+
+def test_forward_table_layout(capsys):
+    case = Case(8, 5120, 2048)
+    copy, ours = bench.new_row(case, "copy"), bench.new_row(case, "cupyconv")
+    copy.update(us_median=82.0, us_min=81.9, us_max=82.25, gbps=4092.0, copy_ratio=1.0)
+    ours.update(status="error", message="NotImplementedError: not yet")
+    meta = {"device": "H200", "torch": "2.11", "cupyconv": "0.1.0", "causal_conv1d": None}
+    bench.print_table([copy, ours], meta)
+    assert capsys.readouterr().out.splitlines() == [
+        "",
+        "device: H200  torch 2.11  cupyconv 0.1.0  causal_conv1d not installed",
+        "copy (read + write): median 4092 GB/s, 4092-4092 over 1 cases",
+        "case                    provider    us  min-max us  GB/s  copy/time  note",
+        "----------------------  --------  ----  ----------  ----  ---------  " + "-" * 35,
+        "cf-bf16-8x5120x2048-w4  copy      82.0   81.9-82.2  4092       1.00",
+        "cf-bf16-8x5120x2048-w4  cupyconv     -           -     -          -"
+        "  error: NotImplementedError: not yet",
+    ]
+
+
+def test_measure_case_survives_a_failed_setup():
+    def setup():
+        raise MemoryError("out of memory")
+
+    rows = bench.measure_case(
+        Case(1, 8, 32),
+        setup,
+        names=("copy", "cupyconv"),
+        bytes_of=lambda provider: 0,
+        do_check=True,
+        repeats=1,
+        target_ms=1.0,
+    )
+    assert [(row["provider"], row["status"]) for row in rows] == [
+        ("copy", "error"),
+        ("cupyconv", "error"),
+    ]
+    assert rows[0]["message"] == "inputs: MemoryError: out of memory"
+
+
+# ---- the driver on CPU tensors ----------------------------------------------------------------
+
+
+@pytest.fixture
+def env():
+    pytest.importorskip("torch")
+    return bench_bwd.Env(device="cpu", jax_reason="no JAX here", cupyconv_jax_reason="no JAX here")
+
+
+@pytest.mark.parametrize("layout", ["cf", "cl", "slice"])
+def test_bwd_rows_on_cpu(env, layout, capsys):
+    rows = run("bwd", Case(2, 16, 40, layout, dtype="float32", width=5), env)
+    rows = by_provider(rows)
+    assert list(rows) == ["copy", "cupyconv", "cupyconv graph", "torch"]
+    for name in ("cupyconv", "torch"):  # checked against the oracle, then timed
+        assert rows[name]["status"] == "ok" and rows[name]["check"] == "ok"
+        assert rows[name]["copy_ratio"] == 1.0
+        assert rows[name]["bw_ratio"] == pytest.approx(1.5)  # 3 x bytes in the copy's time
+        assert rows[name]["host_us"] == 11.0  # a host-bound case
+    assert rows["cupyconv graph"]["status"] == "skipped"  # no CUDA graphs without CUDA
+    assert "ok (all 2 batch rows, 16 of 16 channels)" in capsys.readouterr().out
+    json.dumps(list(rows.values()))
+
+
+def test_a_provider_that_raises_is_reported(env, monkeypatch):
+    import cupyconv
+
+    def pending(*args, **kwargs):
+        raise NotImplementedError("causal_conv1d_bwd on GPU arrays is not available")
+
+    monkeypatch.setattr(cupyconv, "causal_conv1d_bwd", pending)
+    for do_check in (True, False):
+        rows = by_provider(run("bwd", Case(1, 8, 32, dtype="float32"), env, do_check=do_check))
+        assert rows["cupyconv"]["status"] == "error"
+        assert rows["cupyconv"]["message"].startswith("NotImplementedError: causal_conv1d_bwd")
+        assert rows["torch"]["status"] == "ok" and rows["torch"]["us_median"] == 11.0
+
+
+def test_only_baselines_are_timed_after_a_failed_check(env, monkeypatch):
+    import cupyconv
+
+    backward, forward = cupyconv.causal_conv1d_bwd, bench.torch_conv
+
+    def off_backward(*args, **kwargs):
+        dx, dweight, dbias, dinit = backward(*args, **kwargs)
+        return 2 * dx, dweight, dbias, dinit
+
+    monkeypatch.setattr(cupyconv, "causal_conv1d_bwd", off_backward)
+    monkeypatch.setattr(bench, "torch_conv", lambda *args: 2 * forward(*args))
+    rows = by_provider(run("bwd", Case(1, 8, 32, dtype="float32"), env))
+    assert rows["cupyconv"]["status"] == "check failed"
+    assert rows["cupyconv"]["message"].startswith("cupyconv dx: ")
+    assert rows["cupyconv"]["us_median"] is None
+    assert rows["torch"]["status"] == "check failed"  # a baseline: timed all the same
+    assert rows["torch"]["us_median"] == 11.0 and rows["torch"]["host_us"] == 11.0
+
+
+def test_train_rows_on_cpu(env, monkeypatch):
+    rows = by_provider(run("train", Case(2, 16, 40, "cl", dtype="float32"), env))
+    assert rows["torch"]["check"] == "ok"
+    assert rows["torch"]["bw_ratio"] == pytest.approx(2.5)  # 5 x bytes in the copy's time
+    assert rows["cupyconv jax"]["status"] == "skipped"
+    assert rows["cupyconv jax"]["message"] == "no JAX here"
+
+    import cupyconv
+
+    forward = cupyconv.causal_conv1d_fn
+
+    def untracked(x, weight, bias, **kwargs):  # an output autograd does not track
+        return forward(x.detach(), weight.detach(), bias.detach(), **kwargs)
+
+    monkeypatch.setattr(cupyconv, "causal_conv1d_fn", untracked)
+    rows = by_provider(run("train", Case(1, 8, 32, dtype="float32"), env))
+    assert rows["cupyconv"]["status"] == "error"
+    assert "no grad_fn" in rows["cupyconv"]["message"]
+    assert rows["torch"]["status"] == "ok"
+
+
+def test_jax_rows_on_cpu(env):
+    pytest.importorskip("jax")
+    bench_bwd.load_jax(env)
+    rows = by_provider(run("train", Case(1, 8, 24, "cl", dtype="float32", width=3), env))
+    assert rows["jax conv"]["check"] == "ok", rows["jax conv"]["message"]
+    assert rows["jax conv"]["timing"] == "host"
+    if env.cupyconv_jax is not None:
+        assert rows["cupyconv jax"]["check"] == "ok", rows["cupyconv jax"]["message"]
+    else:
+        assert rows["cupyconv jax"]["status"] == "skipped"
