@@ -6,10 +6,12 @@ constants and parameter structs are generated from ``CONSTANTS``, ``FIELDS`` and
 below (as the forward's are, ``cupyconv/_forward_plan.py``).
 
 A call runs one main kernel that writes dx and the partial sums of dweight and dbias (one
-``[dim, width + 1]`` block of them per part of the data), ``bwd_initial`` when dinitial_states
-is asked for, and ``bwd_reduce``, which adds the partials in a fixed order: no floating-point
-atomics, every result bitwise the same from run to run. Layouts without a fast kernel take the
-general path: ``bwd_dz`` writes dz into a scratch array, ``bwd_dx`` and ``bwd_weight`` read it.
+``[dim, width + 1]`` block of them per part of the data), ``bwd_states`` when dinitial_states
+is asked for or dfinal_states given (the states' gradient, and dx at the last width - 1
+positions again with the final states' gradient added), and ``bwd_reduce``, which adds the
+partials in a fixed order: no floating-point atomics, every result bitwise the same from run to
+run. Layouts without a fast kernel take the general path: ``bwd_dz`` writes dz into a scratch
+array, ``bwd_dx`` and ``bwd_weight`` read it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ._launch import (
 # Launch constants shared with the kernels.
 CONSTANTS = {
     "WEIGHT_THREADS": 256,  # bwd_weight: threads per block
-    "MAX_STATE": 255,  # bwd_initial: most state positions (width - 1)
+    "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "CHANNEL_TILES": 16,  # bwd_channel: tiles per group (one group per warp)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
@@ -41,9 +43,10 @@ CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (4, 4), 1024
 # bwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize.
-CHANNEL_TILE = {2: (16, 8), 4: (16, 16), 8: (8, 16)}
+CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
 CHANNEL_SMEM = 48 * 1024  # bwd_channel: most static shared memory per block
-GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_initial, bwd_reduce: threads per block
+GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
+STATES_THREADS = 64  # bwd_states: threads per block
 PART_LEN = 4096  # bwd_weight: positions (b, t) per part
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -78,9 +81,9 @@ CHANNEL = Kernel(
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
 WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", ("part_len", *_SCRATCH))
-INITIAL = Kernel("bwd_initial", "bwd_general.cu", "BwdInitialParams")
+STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
-KERNELS = (TIME, CHANNEL, DZ, DX, WEIGHT, INITIAL, REDUCE)
+KERNELS = (TIME, CHANNEL, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -117,7 +120,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     by source."""
     found: dict = {}
     for d in dtypes:
-        for k in (DZ, DX, WEIGHT, INITIAL, REDUCE):
+        for k in (DZ, DX, WEIGHT, STATES, REDUCE):
             found.setdefault(k.source, set()).add(f"{k.template}<{C_TYPES[d]}>")
         for w in widths:
             for seq in (False, True):
@@ -133,18 +136,18 @@ _plans: dict[tuple, BackwardPlan] = {}
 
 
 def plan_backward(
-    x: Array, dout: Array, dx: Array, width: int, has_seq: bool, dinit: bool
+    x: Array, dout: Array, dx: Array, width: int, has_seq: bool, states: bool
 ) -> BackwardPlan:
-    """The kernels of a backward call on x [batch, dim, seqlen] (dim > 0), with dinitial_states
-    when ``dinit``; memoised per layout. Without tokens only the states' gradient and the
-    (zero) reductions run."""
+    """The kernels of a backward call on x [batch, dim, seqlen] (dim > 0), with bwd_states when
+    ``states`` (dinitial_states asked for, or dfinal_states given); memoised per layout.
+    Without tokens only bwd_states and the (zero) reductions run."""
     key = (
-        x.dtype_name, width, has_seq, dinit, x.shape, x.strides, x.ptr % 16, dout.strides,
+        x.dtype_name, width, has_seq, states, x.shape, x.strides, x.ptr % 16, dout.strides,
         dout.ptr % 16, dx.strides, dx.ptr % 16,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = remember(_plans, key, _plan_backward(x, dout, dx, width, has_seq, dinit))
+        plan = remember(_plans, key, _plan_backward(x, dout, dx, width, has_seq, states))
     return plan
 
 
@@ -152,18 +155,18 @@ def _grid(items: int, per_block: int) -> int:
     return max(1, min(-(-items // per_block), MAX_GRID))
 
 
-def _plan_backward(x, dout, dx, width: int, has_seq: bool, dinit: bool) -> BackwardPlan:
+def _plan_backward(x, dout, dx, width: int, has_seq: bool, states: bool) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     if batch * seqlen == 0:
-        return _finish([], x, width, dinit, 0, None)
+        return _finish([], x, width, states, 0, None)
     t = C_TYPES[x.dtype_name]
     _, x_c, x_l = x.strides
     itemsize = ITEMSIZE[x.dtype_name]
     if (x_l == 1 or (seqlen == 1 and x_c != 1)) and width <= TIME_MAX_WIDTH:
-        return _plan_time(x, dout, dx, width, has_seq, dinit, itemsize)
+        return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
     if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, lane_bytes):
-        return _plan_channel(x, dout, dx, width, has_seq, dinit, itemsize)
+        return _plan_channel(x, dout, dx, width, has_seq, states, itemsize)
     channels_fastest = abs(x_c) < abs(x_l) and seqlen > 1
     if channels_fastest:  # dz laid out [batch, seqlen, dim]
         scratch = (seqlen * dim, 1, dim)
@@ -184,10 +187,10 @@ def _plan_backward(x, dout, dx, width: int, has_seq: bool, dinit: bool) -> Backw
             **fields,
         ),  # fmt: skip
     ]
-    return _finish(launches, x, width, dinit, n_parts, scratch)
+    return _finish(launches, x, width, states, n_parts, scratch)
 
 
-def _plan_time(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
+def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     chunk = TIME_SHORT_CHUNK if seqlen * itemsize <= TIME_SHORT_ROW else TIME_LONG_CHUNK
     vectors, warps = chunk
@@ -199,7 +202,7 @@ def _plan_time(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
         dx_aligned=rows_aligned(dx, 2), chunk_divisor=fast_divisor(per_row),
         dim_divisor=fast_divisor(dim),
     )  # fmt: skip
-    return _finish([launch], x, width, dinit, batch * per_row, None)
+    return _finish([launch], x, width, states, batch * per_row, None)
 
 
 def _channel_vectors(a: Array, lane_bytes: int) -> bool:
@@ -207,7 +210,7 @@ def _channel_vectors(a: Array, lane_bytes: int) -> bool:
     return a.shape[1] % (lane_bytes // a.itemsize) == 0 and rows_aligned(a, 1, lane_bytes)
 
 
-def _plan_channel(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
+def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     steps, lane_bytes = CHANNEL_TILE[itemsize]
     name = _channel_name(x.dtype_name, width, has_seq)
@@ -220,16 +223,17 @@ def _plan_channel(x, dout, dx, width, has_seq, dinit, itemsize) -> BackwardPlan:
         dx_aligned=_channel_vectors(dx, lane_bytes), strip_divisor=fast_divisor(strips),
         group_divisor=fast_divisor(groups),
     )  # fmt: skip
-    return _finish([launch], x, width, dinit, batch * groups, None)
+    return _finish([launch], x, width, states, batch * groups, None)
 
 
-def _finish(launches: list, x: Array, width: int, dinit: bool, n_parts: int, scratch):
-    """The main kernel's launches, then bwd_initial (when dinit) and bwd_reduce."""
+def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, scratch):
+    """The main kernel's launches, then bwd_states (when ``states``) and bwd_reduce."""
     batch, dim, _ = x.shape
     t = C_TYPES[x.dtype_name]
     block = (GENERAL_THREADS, 1)
-    if dinit and width > 1 and batch > 0:
-        launches.append(INITIAL.launch(f"bwd_initial<{t}>", _grid(batch * dim, 64), (64, 1)))
+    if states and width > 1 and batch > 0:
+        grid = _grid(batch * dim, STATES_THREADS)
+        launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
     warps = GENERAL_THREADS // 32
     launches.append(REDUCE.launch(f"bwd_reduce<{t}>", _grid(dim * (width + 1), warps), block))
     return BackwardPlan(tuple(launches), n_parts, scratch)

@@ -131,7 +131,8 @@ def _backward_gpu(call: _BackwardCall):
 def _launch_backward(call: _BackwardCall, dx, dweight, dbias, dinit) -> None:
     a = call.conv
     x = a.x
-    plan = plan_backward(x, call.dout, dx, a.width, a.seq_idx is not None, dinit is not None)
+    states = dinit is not None or call.dfinal is not None
+    plan = plan_backward(x, call.dout, dx, a.width, a.seq_idx is not None, states)
     acc = _acc_dtype(x)
     parts = (plan.n_parts, x.shape[1], a.width + 1)
     partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)

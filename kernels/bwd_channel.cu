@@ -96,10 +96,11 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
             }
             cp_async_wait<0>();
 
-            A xw[K][V];        // x rows r .. r + W (positions t0 + r - W ..) for dz at t0 + r
-            A dzw[K][V] = {};  // dz at positions t0 + r - W .. t0 + r
-            int64 ids[SEQ ? K : 1];  // segment ids of positions t0 + r - W .. t0 + r
-            auto id_at = [&](int64 pos) { return pos < seqlen ? segment_id(seq_idx, p, b, pos) : (int64)-1; };
+            // Rings of K slots, indexed by (row of the x stage) mod K: x rows, their segment ids,
+            // and dz (dz at t0 + r in slot (r + W) mod K, with the row of t0 + r). Steps come
+            // K at a time, so every slot index is a compile-time constant (no register moves).
+            A xw[K][V], dzw[K][V];
+            int64 ids[SEQ ? K : 1];
             auto x_row = [&](int r, A* dst) {
                 VecT row;
                 row.raw = xs[32 * r];
@@ -109,92 +110,85 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
                     for (int v = 0; v < V; ++v) dst[v] = input_at<A>(x, initial_states, p, b, c0 + v, t0 - W + r);
                 }
             };
+            auto id_at = [&](int64 pos) { return pos < seqlen ? segment_id(seq_idx, p, b, pos) : (int64)-1; };
             #pragma unroll
             for (int r = 0; r < W; ++r) {
-                x_row(r, xw[r + 1]);
-                if constexpr (SEQ) ids[r + 1] = id_at(t0 - W + r);
+                x_row(r, xw[r]);
+                if constexpr (SEQ) ids[r] = id_at(t0 - W + r);
             }
             #pragma unroll 1
-            for (int r = 0; r < R + W; ++r) {  // dz at t0 + r; dx at t0 + r - W
+            for (int r0 = 0; r0 < R + W; r0 += K) {
                 #pragma unroll
-                for (int k = 0; k < W; ++k) {
+                for (int u = 0; u < K; ++u) {  // step r: dz at t0 + r (stage row r + W), dx at t0 + r - W
+                    const int r = r0 + u;
+                    if (r >= R + W) break;
+                    const int own = (u + W) % K;  // slot of row r + W
+                    x_row(r + W, xw[own]);
+                    if constexpr (SEQ) ids[own] = id_at(t0 + r);
+                    VecT drow;
+                    drow.raw = ds[32 * r];
+                    A gd[V];
+                    widen<T, A, V>(drow.e, gd);
+                    const bool live = t0 + r < seqlen;
                     #pragma unroll
                     for (int v = 0; v < V; ++v) {
-                        xw[k][v] = xw[k + 1][v];
-                        dzw[k][v] = dzw[k + 1][v];
-                    }
-                    if constexpr (SEQ) ids[k] = ids[k + 1];
-                }
-                x_row(r + W, xw[W]);
-                if constexpr (SEQ) ids[W] = id_at(t0 + r);
-                VecT drow;
-                drow.raw = ds[32 * r];
-                A gd[V];
-                widen<T, A, V>(drow.e, gd);
-                const bool live = t0 + r < seqlen;
-                #pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    A gm = gd[v];
-                    if (silu_act) {
-                        A z = bias_v[v];
-                        #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if constexpr (SEQ) {
-                                if (ids[k] == ids[W]) z += w[k][v] * xw[k][v];
-                            } else {
-                                z += w[k][v] * xw[k][v];
+                        A gm = gd[v];
+                        if (silu_act) {
+                            A z = bias_v[v];
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) {  // tap k: stage row r + k
+                                if constexpr (SEQ) {
+                                    if (ids[(u + k) % K] == ids[own]) z += w[k][v] * xw[(u + k) % K][v];
+                                } else {
+                                    z += w[k][v] * xw[(u + k) % K][v];
+                                }
                             }
+                            gm *= silu_grad(z);
                         }
-                        gm *= silu_grad(z);
-                    }
-                    if constexpr (SEQ) {
-                        if (ids[W] < 0) gm = A(0);  // padding
-                    }
-                    dzw[W][v] = live ? gm : A(0);
-                }
-                if (r < R && live) {
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) {
-                        #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if constexpr (SEQ) {
-                                if (ids[k] == ids[W]) dw[k][v] += dzw[W][v] * xw[k][v];
-                            } else {
-                                dw[k][v] += dzw[W][v] * xw[k][v];
-                            }
+                        if constexpr (SEQ) {
+                            if (ids[own] < 0) gm = A(0);  // padding
                         }
-                        dw[K][v] += dzw[W][v];
+                        dzw[own][v] = live ? gm : A(0);
                     }
-                }
-                if (r >= W) {
-                    const int s = r - W;  // dx at t0 + s: seen by the outputs t0 + s .. t0 + r
-                    if (t0 + s >= end) break;
-                    A acc[V];
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) {
-                        acc[v] = A(0);
+                    if (r < R && live) {
                         #pragma unroll
-                        for (int k = 0; k < K; ++k) {  // tap k: the output at t0 + s + W - k
-                            if constexpr (SEQ) {
-                                if (ids[0] == ids[W - k]) acc[v] += w[k][v] * dzw[W - k][v];
-                            } else {
-                                acc[v] += w[k][v] * dzw[W - k][v];
+                        for (int v = 0; v < V; ++v) {
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) {
+                                if constexpr (SEQ) {
+                                    if (ids[(u + k) % K] == ids[own]) dw[k][v] += dzw[own][v] * xw[(u + k) % K][v];
+                                } else {
+                                    dw[k][v] += dzw[own][v] * xw[(u + k) % K][v];
+                                }
                             }
+                            dw[K][v] += dzw[own][v];
                         }
                     }
-                    if (dfinal_states && t0 + s >= seqlen - W) {
+                    if (r >= W && t0 + r - W < end) {  // dx at t0 + s (stage row r, slot u)
+                        const int64 s = t0 + r - W;
+                        A acc[V];
                         #pragma unroll
-                        for (int v = 0; v < V; ++v) acc[v] += dfinal_at<A>(dfinal_states, seq_idx, p, b, c0 + v, t0 + s);
-                    }
-                    VecT res;
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) res.e[v] = from_acc<T>(acc[v]);
-                    T* const o = dxb + (t0 + s) * dx_l_stride;
-                    if (dx_aligned) {
-                        *reinterpret_cast<Raw*>(o) = res.raw;
-                    } else {
+                        for (int v = 0; v < V; ++v) {
+                            acc[v] = A(0);
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) {  // tap k: the output at s + W - k, slot (u + W - k) mod K
+                                if constexpr (SEQ) {
+                                    if (ids[u] == ids[(u + W - k) % K]) acc[v] += w[k][v] * dzw[(u + W - k) % K][v];
+                                } else {
+                                    acc[v] += w[k][v] * dzw[(u + W - k) % K][v];
+                                }
+                            }
+                        }
+                        VecT res;
                         #pragma unroll
-                        for (int v = 0; v < V; ++v) o[v * dx_c_stride] = res.e[v];
+                        for (int v = 0; v < V; ++v) res.e[v] = from_acc<T>(acc[v]);
+                        T* const o = dxb + s * dx_l_stride;
+                        if (dx_aligned) {
+                            *reinterpret_cast<Raw*>(o) = res.raw;
+                        } else {
+                            #pragma unroll
+                            for (int v = 0; v < V; ++v) o[v * dx_c_stride] = res.e[v];
+                        }
                     }
                 }
             }

@@ -3,12 +3,14 @@
 //
 //   bwd_dz<T>       one thread per (b, c, t): dz into scratch (accumulation type, laid out by
 //                   the plan: scratch_*_stride).
-//   bwd_dx<T>       one thread per (b, c, s), s >= 0: dx from scratch (and dfinal_states).
+//   bwd_dx<T>       one thread per (b, c, s), s >= 0: dx from scratch.
 //   bwd_weight<T>   one block of WEIGHT_THREADS threads per (part, c): the partial sums of
 //                   dweight[c, :] and dbias[c] over the part's PART positions (b, t), b slowest;
 //                   each tap summed by the threads, then reduced in a fixed tree.
-//   bwd_initial<T>  one thread per (b, c): dinitial_states[b, c, :] (dz of the first K-1
-//                   positions recomputed; every layout's plan launches it).
+//   bwd_states<T>   one thread per (b, c), after the main kernel: dinitial_states[b, c, :], and
+//                   with dfinal_states dx at the row's last K-1 positions again, with the
+//                   gradient of final_states added (dz of those positions recomputed; every
+//                   layout's plan launches it when either is given).
 //   bwd_reduce<T>   one warp per (c, k): partials[0..n_parts)[c][k] summed in a fixed order
 //                   into dweight[c, k] (k < K) or dbias[c] (k = K).
 // p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
@@ -59,7 +61,6 @@ __global__ void bwd_dx(BWD_ARRAYS, const __grid_constant__ BwdDxParams p) {
             acc += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
                    g[t * p.scratch_l_stride];
         }
-        if (dfinal_states && s >= seqlen - (width - 1)) acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, s);
         dx[b * p.dx_batch_stride + c * p.dx_c_stride + s * p.dx_l_stride] = from_acc<T>(acc);
     }
 }
@@ -109,23 +110,42 @@ __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const _
 }
 
 template <typename T>
-__global__ void bwd_initial(BWD_ARRAYS, const __grid_constant__ BwdInitialParams p) {
+__global__ void bwd_states(BWD_ARRAYS, const __grid_constant__ BwdStatesParams p) {
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int n = (int)p.width - 1, m = (int)min(seqlen, (int64)n);  // dz known at t < m
+    const int n = (int)p.width - 1;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < batch * dim; i += (int64)gridDim.x * blockDim.x) {
         const int64 b = i / dim, c = i % dim;
-        A g[MAX_STATE];  // dz of positions 0 .. m - 1
-        for (int t = 0; t < m; ++t) g[t] = dz_at<A>(x, weight, bias, seq_idx, initial_states, dout, p, b, c, t);
-        const int64 first = seq_idx ? segment_id(seq_idx, p, b, 0) : 0;
-        for (int j = 0; j < n; ++j) {  // position s = j - n, seen by the outputs t = 0 .. j
-            A acc = A(0);
-            for (int t = 0; t <= j && t < m; ++t) {
-                if (seq_idx && segment_id(seq_idx, p, b, t) != first) continue;
-                acc += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + (j - t) * p.weight_width_stride) * g[t];
+        auto w_at = [&](int k) {
+            return load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride);
+        };
+        auto visible = [&](int64 t, int64 s) {  // the output at t sees position s
+            return !seq_idx || segment_id(seq_idx, p, b, t) == segment_id(seq_idx, p, b, s);
+        };
+        A g[MAX_STATE];  // dz at the first (dinitial_states) or the last (dfinal_states) positions
+        if (dinitial_states) {  // positions s = j - n, seen by the outputs t = 0 .. j
+            const int m = (int)min(seqlen, (int64)n);
+            for (int t = 0; t < m; ++t) g[t] = dz_at<A>(x, weight, bias, seq_idx, initial_states, dout, p, b, c, t);
+            for (int j = 0; j < n; ++j) {
+                A acc = A(0);
+                for (int t = 0; t <= j && t < m; ++t)
+                    if (visible(t, 0)) acc += w_at(j - t) * g[t];
+                if (dfinal_states && j >= seqlen) acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, (int64)j - n);
+                dinitial_states[b * p.dinit_batch_stride + c * p.dinit_c_stride + j * p.dinit_l_stride] = from_acc<T>(acc);
             }
-            if (dfinal_states && j >= seqlen) acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, (int64)j - n);
-            dinitial_states[b * p.dinit_batch_stride + c * p.dinit_c_stride + j * p.dinit_l_stride] = from_acc<T>(acc);
+        }
+        if (dfinal_states) {  // dx at the last positions s = s0 .. L-1, seen by the outputs s .. L-1
+            const int64 s0 = max(seqlen - n, (int64)0);
+            const int m = (int)(seqlen - s0);
+            for (int u = 0; u < m; ++u) g[u] = dz_at<A>(x, weight, bias, seq_idx, initial_states, dout, p, b, c, s0 + u);
+            for (int u = 0; u < m; ++u) {
+                const int64 s = s0 + u;
+                A acc = A(0);
+                for (int v = u; v < m; ++v)  // the output at s0 + v, tap n - (v - u)
+                    if (visible(s0 + v, s)) acc += w_at(n - (v - u)) * g[v];
+                acc += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, s);
+                dx[b * p.dx_batch_stride + c * p.dx_c_stride + s * p.dx_l_stride] = from_acc<T>(acc);
+            }
         }
     }
 }

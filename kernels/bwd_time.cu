@@ -18,7 +18,7 @@
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int NV, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_constant__ BwdTimeParams p) {
+__global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_time(BWD_ARRAYS, const __grid_constant__ BwdTimeParams p) {
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
@@ -33,7 +33,6 @@ __global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_
     constexpr int HV = (K - 1 + VN - 1) / VN;  // halo vectors on each side
     constexpr int HE = HV * VN;                // halo elements (>= K-1)
     constexpr int OFF = HE - (K - 1);          // window slot of tap 0 for position 0
-    constexpr int G = VN + K - 1;              // dz positions a lane computes
     constexpr int span = 32 * NV * VN;         // elements per chunk
     constexpr int XV = 32 * NV + 2 * HV, DV = 32 * NV + HV;  // staged vectors of x and dout
     const int lane = threadIdx.x & 31;
@@ -102,14 +101,13 @@ __global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_
         __syncwarp();
 
         A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c]
-        #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int q = 32 * j + lane;  // vector of the chunk
-            const int i = q * VN;         // its chunk offset
-            if (i >= n) break;
-            A xw[2 * HE + VN];  // x at positions start + i - HE ..
+        // dz at the VN positions of chunk vector q (start + q VN ..), from the staged x (the
+        // K-1 inputs before them too) and dout, 0 past the row; adds their dweight / dbias terms.
+        auto dz_vector = [&](int q, A (&dz)[VN]) {
+            const int i = q * VN, limit = n - i;
+            A xw[HE + VN];  // x at positions start + i - HE ..
             #pragma unroll
-            for (int h = 0; h < 2 * HV + 1; ++h) {
+            for (int h = 0; h <= HV; ++h) {
                 Vec<T> v;
                 v.raw = xs[q + h];
                 widen<T, A, VN>(v.e, xw + h * VN);
@@ -121,55 +119,37 @@ __global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_
                     if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
                 }
             }
-            A gw[HE + VN];  // dout at positions start + i ..
-            #pragma unroll
-            for (int h = 0; h < HV + 1; ++h) {
-                Vec<T> v;
-                v.raw = ds[q + h];
-                widen<T, A, VN>(v.e, gw + h * VN);
-            }
-            int64 ids[SEQ ? G + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
+            Vec<T> dv;
+            dv.raw = ds[q];
+            A go[VN];
+            widen<T, A, VN>(dv.e, go);
+            int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
             if constexpr (SEQ) {
                 #pragma unroll
-                for (int u = 0; u < G + K - 1; ++u) {
+                for (int u = 0; u < VN + K - 1; ++u) {
                     const int64 pos = start + i - (K - 1) + u;
                     ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
                 }
             }
-            const int limit = n - i;  // positions i + m of the row: m < limit
-            A dz[G];
             #pragma unroll
-            for (int m = 0; m < G; ++m) {
-                A gm = gw[m];
+            for (int o = 0; o < VN; ++o) {
+                A gm = go[o];
                 if (silu_act) {
                     A z = bias_c;
                     #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         if constexpr (SEQ) {
-                            if (ids[m + k] == ids[m + K - 1]) z += w[k] * xw[OFF + m + k];
+                            if (ids[o + k] == ids[o + K - 1]) z += w[k] * xw[OFF + o + k];
                         } else {
-                            z += w[k] * xw[OFF + m + k];
+                            z += w[k] * xw[OFF + o + k];
                         }
                     }
                     gm *= silu_grad(z);
                 }
                 if constexpr (SEQ) {
-                    if (ids[m + K - 1] < 0) gm = A(0);  // padding
+                    if (ids[o + K - 1] < 0) gm = A(0);  // padding
                 }
-                dz[m] = m < limit ? gm : A(0);
-            }
-            A acc[VN];
-            #pragma unroll
-            for (int o = 0; o < VN; ++o) {
-                acc[o] = A(0);
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
-                    if constexpr (SEQ) {
-                        if (ids[o + K - 1] == ids[o + 2 * (K - 1) - k]) acc[o] += w[k] * dz[o + K - 1 - k];
-                    } else {
-                        acc[o] += w[k] * dz[o + K - 1 - k];
-                    }
-                }
+                dz[o] = o < limit ? gm : A(0);
                 if (o < limit) {
                     #pragma unroll
                     for (int k = 0; k < K; ++k) {
@@ -182,23 +162,90 @@ __global__ void __launch_bounds__(32 * WARPS) bwd_time(BWD_ARRAYS, const __grid_
                     dw[K] += dz[o];
                 }
             }
-            if (dfinal_states && start + i + VN > seqlen - (K - 1)) {  // the row's last K-1 positions
+        };
+        // dz at the HE positions after the chunk (lane u < HE: start + span + u), for the dx of
+        // the chunk's last positions; read from the stages element by element.
+        A tail = A(0);
+        if (lane < HE && start + span + lane < seqlen) {
+            const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
+            const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
+            const int64 t = start + span + lane;
+            const int64 sid = SEQ ? segment_id(seq_idx, p, b, t) : 0;
+            A gm = A(to_acc(de[span + lane]));
+            if (silu_act) {
+                A z = bias_c;
                 #pragma unroll
-                for (int o = 0; o < VN; ++o) {
-                    const int64 s = start + i + o;
-                    if (s < seqlen && s >= seqlen - (K - 1)) acc[o] += dfinal_at<A>(dfinal_states, seq_idx, p, b, c, s);
-                }
+                for (int k = 0; k < K; ++k)
+                    if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
+                        z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
+                gm *= silu_grad(z);
             }
-            Vec<T> res;
+            tail = sid < 0 ? A(0) : gm;
+        }
+
+        A cur[VN], nxt[VN];
+        dz_vector(lane, cur);
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int q = 32 * j + lane, i = q * VN;
+            if (j + 1 < NV) dz_vector(q + 32, nxt);
+            // dz at positions start + i .. start + i + VN + HE - 1: this vector's, then the HV
+            // after it from the lanes that computed them (each source lane sends the vector its
+            // reader needs), then, past the chunk, the tail values.
+            A win[VN + HE];
             #pragma unroll
-            for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
-            if (dx_aligned && whole) {
-                reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
-            } else {
+            for (int o = 0; o < VN; ++o) win[o] = cur[o];
+            #pragma unroll
+            for (int h = 1; h <= HV; ++h) {
+                const int src = (lane + h) & 31;
                 #pragma unroll
                 for (int o = 0; o < VN; ++o)
-                    if (o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                    win[h * VN + o] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], src);
             }
+            if (j == NV - 1) {
+                #pragma unroll
+                for (int u = 0; u < HE; ++u) {
+                    const int off = i + VN + u - span;  // >= 0: past the chunk
+                    const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
+                    if (off >= 0) win[VN + u] = t;
+                }
+            }
+            int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
+            if constexpr (SEQ) {
+                #pragma unroll
+                for (int u = 0; u < VN + K - 1; ++u) {
+                    const int64 pos = start + i + u;
+                    ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                }
+            }
+            A acc[VN];
+            #pragma unroll
+            for (int o = 0; o < VN; ++o) {
+                acc[o] = A(0);
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
+                    if constexpr (SEQ) {
+                        if (ids[o] == ids[o + K - 1 - k]) acc[o] += w[k] * win[o + K - 1 - k];
+                    } else {
+                        acc[o] += w[k] * win[o + K - 1 - k];
+                    }
+                }
+            }
+            const int limit = n - i;
+            if (limit > 0) {
+                Vec<T> res;
+                #pragma unroll
+                for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
+                if (dx_aligned && whole) {
+                    reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
+                } else {
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o)
+                        if (o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                }
+            }
+            #pragma unroll
+            for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
         }
         #pragma unroll
         for (int k = 0; k <= K; ++k) {

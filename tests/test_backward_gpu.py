@@ -21,11 +21,15 @@ from cupyconv.testing import GRAD_TOLERANCE, assert_close
 pytestmark = pytest.mark.gpu
 
 
+def channel_last(layout: str) -> bool:
+    return layout.startswith("cl") or layout.endswith("_cl")
+
+
 def nan_like_layout(shape, dtype, layout):
     import torch
 
     b, c, length = shape
-    if layout.startswith("cl"):
+    if channel_last(layout):
         return torch.full((b, length, c), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
     return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
 
@@ -47,7 +51,7 @@ def run_bwd(
     i64 = rounded(rng, (batch, dim, width - 1), dtype) if init else None
     f64 = rounded(rng, (batch, dim, width - 1), dtype) if dfinal else None
     act = "silu" if silu else None
-    state_layout = "cl" if layout.startswith("cl") else "cf"
+    state_layout = "cl" if channel_last(layout) else "cf"
 
     x, dout = to_gpu(x64, dtype, layout), to_gpu(g64, dtype, layout)
     w = to_gpu(w64, wdtype)
@@ -76,7 +80,7 @@ def run_bwd(
         assert dx is dx_buf and dw is kwargs["dweight_out"]
     assert dx.dtype == x.dtype and dx.stride() == (dx_buf.stride() if buffers else dx.stride())
     if not buffers and seqlen > 1 and dim > 1:  # dx in x's memory order
-        assert (dx.stride(1) == 1) == layout.startswith("cl")
+        assert (dx.stride(1) == 1) == channel_last(layout)
     assert dw.dtype == w.dtype and dw.shape == (dim, width)
     reduction = max(batch * seqlen, 1) ** 0.5
     rtol, atol = GRAD_TOLERANCE
