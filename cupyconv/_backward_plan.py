@@ -41,10 +41,11 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the g
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
-TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (4, 4), 1024
-# bwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize.
+TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
+# bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
+# channel vector) by itemsize.
 CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
-CHANNEL_SMEM = 48 * 1024  # bwd_channel: most static shared memory per block
+CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 PART_LEN = 4096  # bwd_weight: positions (b, t) per part
@@ -106,13 +107,20 @@ def _time_name(dtype: str, width: int, seq: bool, chunk) -> str:
     return f"bwd_time<{C_TYPES[dtype]}, {width}, {str(seq).lower()}, {vectors}, {warps}>"
 
 
+def _channel_tile(dtype: str, width: int) -> tuple[int, int, int]:
+    """bwd_channel's (R, BYTES, WARPS): R time steps a tile (CHANNEL_TILE's, rounded up to a
+    multiple of the width), and as many warps a block as fit CHANNEL_SMEM (two tiles of x and
+    dout rows staged per warp), at most 4."""
+    steps, lane_bytes = CHANNEL_TILE[ITEMSIZE[dtype]]
+    r = -(-steps // width) * width
+    per_warp = 2 * 2 * r * 32 * lane_bytes
+    return r, lane_bytes, max(1, min(4, CHANNEL_SMEM // per_warp))
+
+
 def _channel_name(dtype: str, width: int, seq: bool) -> str:
-    itemsize = ITEMSIZE[dtype]
-    steps, lane_bytes = CHANNEL_TILE[itemsize]
-    per_warp = (2 * steps + 3 * (width - 1)) * 32 * lane_bytes  # x and dout rows staged
-    warps = max(1, min(4, CHANNEL_SMEM // per_warp))
+    r, lane_bytes, warps = _channel_tile(dtype, width)
     s = str(seq).lower()
-    return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {steps}, {lane_bytes}, {warps}>"
+    return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {warps}>"
 
 
 def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
@@ -212,14 +220,13 @@ def _channel_vectors(a: Array, lane_bytes: int) -> bool:
 
 def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
-    steps, lane_bytes = CHANNEL_TILE[itemsize]
-    name = _channel_name(x.dtype_name, width, has_seq)
-    warps = int(name.rsplit(",", 1)[1].rstrip("> "))
+    steps, lane_bytes, warps = _channel_tile(x.dtype_name, width)
     strips = -(-dim // (32 * lane_bytes // itemsize))
     groups = -(-seqlen // (steps * CONSTANTS["CHANNEL_TILES"]))
     grid = _grid(batch * groups * strips, warps)
     launch = CHANNEL.launch(
-        name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
+        _channel_name(x.dtype_name, width, has_seq), grid, (32 * warps, 1),
+        dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes), strip_divisor=fast_divisor(strips),
         group_divisor=fast_divisor(groups),
     )  # fmt: skip

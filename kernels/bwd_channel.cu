@@ -3,24 +3,25 @@
 //
 //   bwd_channel<T, K, SEQ, R, BYTES, WARPS>
 //       a warp owns a strip of 32 lanes x V = BYTES / sizeof(T) channels and a group of
-//       CHANNEL_TILES tiles of R time steps, which it computes one after the other, WARPS warps
-//       a block (as many as fit the static shared memory, at most 4). SEQ says whether seq_idx
-//       is given.
+//       CHANNEL_TILES R time steps of a batch row, WARPS warps a block. R is a multiple of K.
+//       SEQ says whether seq_idx is given.
 //
-// For each tile, the warp stages by cp.async the R rows of x with K-1 rows on each side, and
-// the R rows of dout with K-1 rows after them (one BYTES vector per lane and row); rows outside
-// the sequence are zeros (before it: initial_states, when given). Then each lane slides down its
-// V channels: dz at each of the R + K - 1 positions (the pre-activation recomputed from the
-// window of K rows of x), dx at a position once the K values of dz after it are known, and its
-// share of dweight / dbias, kept in registers over the whole group and written once as part
-// (b, group) of the partials. Groups are numbered strips fastest, then time, then batch row,
-// one per warp, divided by the plan's fast divisors p.strip_divisor and p.group_divisor.
-// dout must split into the same lane vectors as x (p.dout_aligned, else it is read element by
-// element); p.dx_aligned: dx does too.
+// The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R
+// rows, staging tile i + 1 of x and dout by cp.async (one BYTES vector per lane and row) while
+// it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
+// dz there (the pre-activation recomputed from the K rows of x up to it), its dweight / dbias
+// terms, and dx at g0 + r - (K-1), whose K values of dz are then known. x rows, their segment
+// ids and dz live in rings of K register slots indexed by position mod K (steps come K at a
+// time, so every slot index is a compile-time constant). The K-1 rows of x before the group are
+// read first (from initial_states before the row). The lane's dweight / dbias sums over the
+// group are written once as part (b, group) of the partials. Groups are numbered strips
+// fastest, then time, then batch row, one per warp, divided by the plan's fast divisors
+// p.strip_divisor and p.group_divisor. dout must split into the same lane vectors as x
+// (p.dout_aligned, else it is read element by element); p.dx_aligned: dx does too.
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int R, int BYTES, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
+__global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARPS) bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
@@ -34,12 +35,11 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
     using Raw = typename VecT::Raw;
     constexpr int V = VecT::V;  // channels per lane
     constexpr int W = K - 1;
-    constexpr int XR = R + 2 * W, DR = R + W;  // staged rows of x and dout
-    constexpr int SPAN = R * CHANNEL_TILES;    // time steps of a group
+    constexpr int SPAN = R * CHANNEL_TILES;  // time steps of a group
+    static_assert(R % K == 0, "ring slots are compile-time constants only if R is a multiple of K");
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[WARPS][(XR + DR) * 32];  // per warp, lane-interleaved rows
-    Raw* const xs = stage_mem[threadIdx.x / 32] + lane;
-    Raw* const ds = xs + XR * 32;
+    __shared__ Raw stage_mem[WARPS][2][2 * R * 32];  // per warp, two tiles: R rows of x, R of dout
+    Raw (*const stage)[2 * R * 32] = stage_mem[threadIdx.x / 32];
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 groups_per_row = (seqlen + SPAN - 1) / SPAN;
     const int64 n_groups = batch * groups_per_row * n_strips;
@@ -53,6 +53,34 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
         const T* const xb = x + b * x_batch_stride + c0;
         const T* const db = dout + b * dout_batch_stride + c0 * dout_c_stride;
         T* const dxb = dx + b * dx_batch_stride + c0 * dx_c_stride;
+        const int64 g0 = group * SPAN, g1 = min(seqlen, g0 + SPAN);
+        const int steps = (int)(g1 - g0) + W;  // positions g0 .. g1 + W - 1
+        const int n_tiles = (steps + R - 1) / R;
+
+        // Tile i: rows of positions g0 + i R .., zeros past the row.
+        auto stage_tile = [&](int i) {
+            Raw* const st = stage[i & 1] + lane;
+            const int64 p0 = g0 + (int64)i * R;
+            const int rows = (int)max(min(seqlen - p0, (int64)R), (int64)0);
+            const T* src = xb + p0 * x_l_stride;
+            #pragma unroll 1
+            for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
+            if (dout_aligned) {
+                const T* d = db + p0 * dout_l_stride;
+                #pragma unroll 1
+                for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
+            } else {
+                #pragma unroll 1
+                for (int r = 0; r < R; ++r) {
+                    VecT row;
+                    #pragma unroll
+                    for (int v = 0; v < V; ++v) row.e[v] = r < rows ? db[(p0 + r) * dout_l_stride + v * dout_c_stride] : T();
+                    st[32 * (R + r)] = row.raw;
+                }
+            }
+            cp_async_commit();
+        };
+        stage_tile(0);
 
         A w[K][V], bias_v[V] = {};
         #pragma unroll
@@ -63,80 +91,50 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
             if (bias) bias_v[v] = load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
         }
         A dw[K + 1][V] = {};  // this lane's share of dweight and (k = K) dbias over the group
-
-        const int64 end = min(seqlen, (group + 1) * SPAN);
-        #pragma unroll 1
-        for (int64 t0 = group * SPAN; t0 < end; t0 += R) {
-            __syncwarp();
-            // x rows t0 - W .. (stage rows 0 .. XR - 1), dout rows t0 .. (0 .. DR - 1).
-            #pragma unroll 1
-            for (int r = 0; r < XR; ++r) {
-                const int64 pos = t0 - W + r;
-                const bool in_row = pos >= 0 && pos < seqlen;
-                cp_async<BYTES>(xs + 32 * r, in_row ? xb + pos * x_l_stride : xb, in_row ? BYTES : 0);
-            }
-            if (dout_aligned) {
-                #pragma unroll 1
-                for (int r = 0; r < DR; ++r) {
-                    const int64 pos = t0 + r;
-                    const bool in_row = pos < seqlen;
-                    cp_async<BYTES>(ds + 32 * r, in_row ? db + pos * dout_l_stride : db, in_row ? BYTES : 0);
-                }
-            }
-            cp_async_commit();
-            if (!dout_aligned) {
-                #pragma unroll 1
-                for (int r = 0; r < DR; ++r) {
-                    VecT row;
-                    const int64 pos = t0 + r;
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) row.e[v] = pos < seqlen ? db[pos * dout_l_stride + v * dout_c_stride] : T();
-                    ds[32 * r] = row.raw;
-                }
-            }
-            cp_async_wait<0>();
-
-            // Rings of K slots, indexed by (row of the x stage) mod K: x rows, their segment ids,
-            // and dz (dz at t0 + r in slot (r + W) mod K, with the row of t0 + r). Steps come
-            // K at a time, so every slot index is a compile-time constant (no register moves).
-            A xw[K][V], dzw[K][V];
-            int64 ids[SEQ ? K : 1];
-            auto x_row = [&](int r, A* dst) {
-                VecT row;
-                row.raw = xs[32 * r];
-                widen<T, A, V>(row.e, dst);
-                if (initial_states && t0 - W + r < 0) {
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) dst[v] = input_at<A>(x, initial_states, p, b, c0 + v, t0 - W + r);
-                }
-            };
-            auto id_at = [&](int64 pos) { return pos < seqlen ? segment_id(seq_idx, p, b, pos) : (int64)-1; };
+        // Rings of K slots: position g0 + r - W + k of the window of step r in slot (r + k) mod K.
+        A xw[K][V], dzw[K][V];
+        int64 ids[SEQ ? K : 1];
+        auto id_at = [&](int64 pos) { return pos < seqlen ? segment_id(seq_idx, p, b, pos) : (int64)-1; };
+        #pragma unroll
+        for (int k = 0; k < W; ++k) {  // the K-1 positions before the group
+            const int64 pos = g0 - W + k;
             #pragma unroll
-            for (int r = 0; r < W; ++r) {
-                x_row(r, xw[r]);
-                if constexpr (SEQ) ids[r] = id_at(t0 - W + r);
+            for (int v = 0; v < V; ++v) xw[k][v] = input_at<A>(x, initial_states, p, b, c0 + v, pos);
+            if constexpr (SEQ) ids[k] = id_at(pos);
+        }
+
+        #pragma unroll 1
+        for (int i = 0; i < n_tiles; ++i) {
+            if (i + 1 < n_tiles) {
+                stage_tile(i + 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
             }
+            const Raw* const st = stage[i & 1] + lane;
             #pragma unroll 1
-            for (int r0 = 0; r0 < R + W; r0 += K) {
+            for (int r0 = 0; r0 < R; r0 += K) {
                 #pragma unroll
-                for (int u = 0; u < K; ++u) {  // step r: dz at t0 + r (stage row r + W), dx at t0 + r - W
-                    const int r = r0 + u;
-                    if (r >= R + W) break;
-                    const int own = (u + W) % K;  // slot of row r + W
-                    x_row(r + W, xw[own]);
-                    if constexpr (SEQ) ids[own] = id_at(t0 + r);
-                    VecT drow;
-                    drow.raw = ds[32 * r];
+                for (int u = 0; u < K; ++u) {  // step r: position g0 + r
+                    const int r = i * R + r0 + u;
+                    if (r >= steps) break;
+                    const int64 pos = g0 + r;
+                    const int own = (u + W) % K;  // slot of position g0 + r
+                    VecT xrow, drow;
+                    xrow.raw = st[32 * (r0 + u)];
+                    drow.raw = st[32 * (R + r0 + u)];
+                    widen<T, A, V>(xrow.e, xw[own]);
+                    if constexpr (SEQ) ids[own] = id_at(pos);
                     A gd[V];
                     widen<T, A, V>(drow.e, gd);
-                    const bool live = t0 + r < seqlen;
+                    const bool live = pos < seqlen;
                     #pragma unroll
                     for (int v = 0; v < V; ++v) {
                         A gm = gd[v];
                         if (silu_act) {
                             A z = bias_v[v];
                             #pragma unroll
-                            for (int k = 0; k < K; ++k) {  // tap k: stage row r + k
+                            for (int k = 0; k < K; ++k) {
                                 if constexpr (SEQ) {
                                     if (ids[(u + k) % K] == ids[own]) z += w[k][v] * xw[(u + k) % K][v];
                                 } else {
@@ -150,7 +148,7 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
                         }
                         dzw[own][v] = live ? gm : A(0);
                     }
-                    if (r < R && live) {
+                    if (pos < g1) {
                         #pragma unroll
                         for (int v = 0; v < V; ++v) {
                             #pragma unroll
@@ -164,8 +162,8 @@ __global__ void __launch_bounds__(32 * WARPS, 20 / WARPS) bwd_channel(BWD_ARRAYS
                             dw[K][v] += dzw[own][v];
                         }
                     }
-                    if (r >= W && t0 + r - W < end) {  // dx at t0 + s (stage row r, slot u)
-                        const int64 s = t0 + r - W;
+                    if (r >= W) {  // dx at s = pos - W (slot u), seen by the outputs s .. pos
+                        const int64 s = pos - W;
                         A acc[V];
                         #pragma unroll
                         for (int v = 0; v < V; ++v) {

@@ -30,6 +30,10 @@
         void* __restrict__ dweight, void* __restrict__ dbias, T* __restrict__ dinitial_states,        \
         typename AccOf<T>::type* __restrict__ partials, typename AccOf<T>::type* __restrict__ scratch
 
+// Warps per SM that the fast kernels' register budgets (__launch_bounds__) are set for: 20
+// (at most 102 registers a thread), 8 for float64.
+__host__ __device__ constexpr int bwd_warps_per_sm(int bytes) { return bytes == 8 ? 8 : 20; }
+
 // SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal
 // (exp(-z) = inf gives sigmoid 0); double: exact.
 __device__ __forceinline__ float silu_grad(float z) {
