@@ -63,13 +63,23 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARP
             const int64 p0 = g0 + (int64)i * R;
             const int rows = (int)max(min(seqlen - p0, (int64)R), (int64)0);
             const T* src = xb + p0 * x_l_stride;
-            #pragma unroll 1
-            for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
-            if (dout_aligned) {
-                const T* d = db + p0 * dout_l_stride;
-                #pragma unroll 1
-                for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
+            const T* d = db + p0 * dout_l_stride;
+            if (rows == R) {  // the whole tile in the row: no checks
+                #pragma unroll
+                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, src, BYTES);
+                if (dout_aligned) {
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), d, BYTES);
+                }
             } else {
+                #pragma unroll 1
+                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
+                if (dout_aligned) {
+                    #pragma unroll 1
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
+                }
+            }
+            if (!dout_aligned) {
                 #pragma unroll 1
                 for (int r = 0; r < R; ++r) {
                     VecT row;
@@ -91,6 +101,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARP
             if (bias) bias_v[v] = load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
         }
         A dw[K + 1][V] = {};  // this lane's share of dweight and (k = K) dbias over the group
+        T* dxp = dxb + g0 * dx_l_stride;  // dx at the next position it is written
         // Rings of K slots: position g0 + r - W + k of the window of step r in slot (r + k) mod K.
         A xw[K][V], dzw[K][V];
         int64 ids[SEQ ? K : 1];
@@ -162,8 +173,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARP
                             dw[K][v] += dzw[own][v];
                         }
                     }
-                    if (r >= W) {  // dx at s = pos - W (slot u), seen by the outputs s .. pos
-                        const int64 s = pos - W;
+                    if (r >= W) {  // dx at pos - W (slot u, dxp), seen by the outputs pos - W .. pos
                         A acc[V];
                         #pragma unroll
                         for (int v = 0; v < V; ++v) {
@@ -180,13 +190,13 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARP
                         VecT res;
                         #pragma unroll
                         for (int v = 0; v < V; ++v) res.e[v] = from_acc<T>(acc[v]);
-                        T* const o = dxb + s * dx_l_stride;
                         if (dx_aligned) {
-                            *reinterpret_cast<Raw*>(o) = res.raw;
+                            *reinterpret_cast<Raw*>(dxp) = res.raw;
                         } else {
                             #pragma unroll
-                            for (int v = 0; v < V; ++v) o[v * dx_c_stride] = res.e[v];
+                            for (int v = 0; v < V; ++v) dxp[v * dx_c_stride] = res.e[v];
                         }
+                        dxp += dx_l_stride;
                     }
                 }
             }

@@ -101,152 +101,159 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T)) / WARP
         __syncwarp();
 
         A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c]
-        // dz at the VN positions of chunk vector q (start + q VN ..), from the staged x (the
-        // K-1 inputs before them too) and dout, 0 past the row; adds their dweight / dbias terms.
-        auto dz_vector = [&](int q, A (&dz)[VN]) {
-            const int i = q * VN, limit = n - i;
-            A xw[HE + VN];  // x at positions start + i - HE ..
-            #pragma unroll
-            for (int h = 0; h <= HV; ++h) {
-                Vec<T> v;
-                v.raw = xs[q + h];
-                widen<T, A, VN>(v.e, xw + h * VN);
-            }
-            if (initial_states && start + i < K - 1) {  // positions before the row
+        // The chunk, compiled twice: TAIL (the row ends inside the chunk: every position is
+        // checked against it) and not.
+        auto chunk_body = [&](auto tail_flag) {
+            constexpr bool TAIL = decltype(tail_flag)::value;
+            // dz at the VN positions of chunk vector q (start + q VN ..), from the staged x (the
+            // K-1 inputs before them too) and dout, 0 past the row; adds their dweight / dbias terms.
+            auto dz_vector = [&](int q, A (&dz)[VN]) {
+                const int i = q * VN, limit = TAIL ? n - i : VN;
+                A xw[HE + VN];  // x at positions start + i - HE ..
                 #pragma unroll
-                for (int u = OFF; u < HE; ++u) {
-                    const int64 pos = start + i - HE + u;
-                    if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
+                for (int h = 0; h <= HV; ++h) {
+                    Vec<T> v;
+                    v.raw = xs[q + h];
+                    widen<T, A, VN>(v.e, xw + h * VN);
                 }
-            }
-            Vec<T> dv;
-            dv.raw = ds[q];
-            A go[VN];
-            widen<T, A, VN>(dv.e, go);
-            int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
-            if constexpr (SEQ) {
+                if (initial_states && start + i < K - 1) {  // positions before the row
+                    #pragma unroll
+                    for (int u = OFF; u < HE; ++u) {
+                        const int64 pos = start + i - HE + u;
+                        if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
+                    }
+                }
+                Vec<T> dv;
+                dv.raw = ds[q];
+                A go[VN];
+                widen<T, A, VN>(dv.e, go);
+                int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
+                if constexpr (SEQ) {
+                    #pragma unroll
+                    for (int u = 0; u < VN + K - 1; ++u) {
+                        const int64 pos = start + i - (K - 1) + u;
+                        ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                    }
+                }
                 #pragma unroll
-                for (int u = 0; u < VN + K - 1; ++u) {
-                    const int64 pos = start + i - (K - 1) + u;
-                    ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                for (int o = 0; o < VN; ++o) {
+                    A gm = go[o];
+                    if (silu_act) {
+                        A z = bias_c;
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) {
+                            if constexpr (SEQ) {
+                                if (ids[o + k] == ids[o + K - 1]) z += w[k] * xw[OFF + o + k];
+                            } else {
+                                z += w[k] * xw[OFF + o + k];
+                            }
+                        }
+                        gm *= silu_grad(z);
+                    }
+                    if constexpr (SEQ) {
+                        if (ids[o + K - 1] < 0) gm = A(0);  // padding
+                    }
+                    dz[o] = !TAIL || o < limit ? gm : A(0);
+                    if (!TAIL || o < limit) {
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) {
+                            if constexpr (SEQ) {
+                                if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
+                            } else {
+                                dw[k] += dz[o] * xw[OFF + o + k];
+                            }
+                        }
+                        dw[K] += dz[o];
+                    }
                 }
-            }
-            #pragma unroll
-            for (int o = 0; o < VN; ++o) {
-                A gm = go[o];
+            };
+            // dz at the HE positions after the chunk (lane u < HE: start + span + u), for the dx of
+            // the chunk's last positions; read from the stages element by element.
+            A tail = A(0);
+            if (lane < HE && start + span + lane < seqlen) {
+                const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
+                const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
+                const int64 t = start + span + lane;
+                const int64 sid = SEQ ? segment_id(seq_idx, p, b, t) : 0;
+                A gm = A(to_acc(de[span + lane]));
                 if (silu_act) {
                     A z = bias_c;
                     #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if constexpr (SEQ) {
-                            if (ids[o + k] == ids[o + K - 1]) z += w[k] * xw[OFF + o + k];
-                        } else {
-                            z += w[k] * xw[OFF + o + k];
-                        }
-                    }
+                    for (int k = 0; k < K; ++k)
+                        if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
+                            z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
                     gm *= silu_grad(z);
                 }
-                if constexpr (SEQ) {
-                    if (ids[o + K - 1] < 0) gm = A(0);  // padding
-                }
-                dz[o] = o < limit ? gm : A(0);
-                if (o < limit) {
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        if constexpr (SEQ) {
-                            if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
-                        } else {
-                            dw[k] += dz[o] * xw[OFF + o + k];
-                        }
-                    }
-                    dw[K] += dz[o];
-                }
+                tail = sid < 0 ? A(0) : gm;
             }
-        };
-        // dz at the HE positions after the chunk (lane u < HE: start + span + u), for the dx of
-        // the chunk's last positions; read from the stages element by element.
-        A tail = A(0);
-        if (lane < HE && start + span + lane < seqlen) {
-            const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
-            const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
-            const int64 t = start + span + lane;
-            const int64 sid = SEQ ? segment_id(seq_idx, p, b, t) : 0;
-            A gm = A(to_acc(de[span + lane]));
-            if (silu_act) {
-                A z = bias_c;
-                #pragma unroll
-                for (int k = 0; k < K; ++k)
-                    if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
-                        z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
-                gm *= silu_grad(z);
-            }
-            tail = sid < 0 ? A(0) : gm;
-        }
 
-        A cur[VN], nxt[VN];
-        dz_vector(lane, cur);
-        #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int q = 32 * j + lane, i = q * VN;
-            if (j + 1 < NV) dz_vector(q + 32, nxt);
-            // dz at positions start + i .. start + i + VN + HE - 1: this vector's, then the HV
-            // after it from the lanes that computed them (each source lane sends the vector its
-            // reader needs), then, past the chunk, the tail values.
-            A win[VN + HE];
+            A cur[VN], nxt[VN];
+            dz_vector(lane, cur);
             #pragma unroll
-            for (int o = 0; o < VN; ++o) win[o] = cur[o];
-            #pragma unroll
-            for (int h = 1; h <= HV; ++h) {
-                const int src = (lane + h) & 31;
+            for (int j = 0; j < NV; ++j) {
+                const int q = 32 * j + lane, i = q * VN;
+                if (j + 1 < NV) dz_vector(q + 32, nxt);
+                // dz at positions start + i .. start + i + VN + HE - 1: this vector's, then the HV
+                // after it from the lanes that computed them (each source lane sends the vector its
+                // reader needs), then, past the chunk, the tail values.
+                A win[VN + HE];
                 #pragma unroll
-                for (int o = 0; o < VN; ++o)
-                    win[h * VN + o] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], src);
-            }
-            if (j == NV - 1) {
+                for (int o = 0; o < VN; ++o) win[o] = cur[o];
                 #pragma unroll
-                for (int u = 0; u < HE; ++u) {
-                    const int off = i + VN + u - span;  // >= 0: past the chunk
-                    const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
-                    if (off >= 0) win[VN + u] = t;
-                }
-            }
-            int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
-            if constexpr (SEQ) {
-                #pragma unroll
-                for (int u = 0; u < VN + K - 1; ++u) {
-                    const int64 pos = start + i + u;
-                    ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
-                }
-            }
-            A acc[VN];
-            #pragma unroll
-            for (int o = 0; o < VN; ++o) {
-                acc[o] = A(0);
-                #pragma unroll
-                for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
-                    if constexpr (SEQ) {
-                        if (ids[o] == ids[o + K - 1 - k]) acc[o] += w[k] * win[o + K - 1 - k];
-                    } else {
-                        acc[o] += w[k] * win[o + K - 1 - k];
-                    }
-                }
-            }
-            const int limit = n - i;
-            if (limit > 0) {
-                Vec<T> res;
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
-                if (dx_aligned && whole) {
-                    reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
-                } else {
+                for (int h = 1; h <= HV; ++h) {
+                    const int src = (lane + h) & 31;
                     #pragma unroll
                     for (int o = 0; o < VN; ++o)
-                        if (o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                        win[h * VN + o] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], src);
                 }
+                if (j == NV - 1) {
+                    #pragma unroll
+                    for (int u = 0; u < HE; ++u) {
+                        const int off = i + VN + u - span;  // >= 0: past the chunk
+                        const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
+                        if (off >= 0) win[VN + u] = t;
+                    }
+                }
+                int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
+                if constexpr (SEQ) {
+                    #pragma unroll
+                    for (int u = 0; u < VN + K - 1; ++u) {
+                        const int64 pos = start + i + u;
+                        ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                    }
+                }
+                A acc[VN];
+                #pragma unroll
+                for (int o = 0; o < VN; ++o) {
+                    acc[o] = A(0);
+                    #pragma unroll
+                    for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
+                        if constexpr (SEQ) {
+                            if (ids[o] == ids[o + K - 1 - k]) acc[o] += w[k] * win[o + K - 1 - k];
+                        } else {
+                            acc[o] += w[k] * win[o + K - 1 - k];
+                        }
+                    }
+                }
+                const int limit = TAIL ? n - i : VN;
+                if (!TAIL || limit > 0) {
+                    Vec<T> res;
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
+                    if (dx_aligned && (!TAIL || whole)) {
+                        reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
+                    } else {
+                        #pragma unroll
+                        for (int o = 0; o < VN; ++o)
+                            if (!TAIL || o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                    }
+                }
+                #pragma unroll
+                for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
             }
-            #pragma unroll
-            for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
-        }
+        };
+        if (n < span) chunk_body(Flag<true>());
+        else chunk_body(Flag<false>());
         #pragma unroll
         for (int k = 0; k <= K; ++k) {
             #pragma unroll

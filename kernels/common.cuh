@@ -199,6 +199,9 @@ __device__ __forceinline__ A input_at(const T* x, const void* initial_states, co
 __device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.0f + __expf(-z)); }
 __device__ __forceinline__ double silu(double z) { return z / (1.0 + exp(-z)); }
 
+// A compile-time bool as a value, to pass to generic lambdas: f(Flag<true>()).
+template <bool B> struct Flag { static constexpr bool value = B; };
+
 template <typename A, typename B> constexpr bool same_type = false;
 template <typename A> constexpr bool same_type<A, A> = true;
 
