@@ -435,6 +435,16 @@ COMPILER_PARAMS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles its own functions from scratch: dynamo's per-code-object recompile
+    limit (8) would otherwise be reached across the parametrised cases."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+
+
 def _same(got, want, dtype, exact, name):
     if exact:  # the CPU path: the same operator calls, the same float64 reference
         assert torch.equal(got, want), f"{name}: compiled differs from eager"
