@@ -33,22 +33,23 @@ from ._launch import (
 
 # Launch constants shared with the kernels.
 CONSTANTS = {
-    "WEIGHT_THREADS": 256,  # bwd_weight: threads per block
+    "WEIGHT_THREADS": 256,  # bwd_weight: threads per block (one run of positions each)
+    "WEIGHT_RUN": 16,  # bwd_weight: positions per run
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "CHANNEL_TILES": 16,  # bwd_channel: tiles per group (one group per warp)
+    "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
-TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
+TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
 # channel vector) by itemsize.
 CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
-PART_LEN = 4096  # bwd_weight: positions (b, t) per part
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 #: The parameter fields every backward kernel takes from the call, after its thirteen pointers
@@ -81,7 +82,7 @@ CHANNEL = Kernel(
 )  # fmt: skip
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
-WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", ("part_len", *_SCRATCH))
+WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH)
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
 KERNELS = (TIME, CHANNEL, DZ, DX, WEIGHT, STATES, REDUCE)
@@ -181,7 +182,8 @@ def _plan_backward(x, dout, dx, width: int, has_seq: bool, states: bool) -> Back
     else:
         scratch = (dim * seqlen, seqlen, 1)
     fields = dict(zip(_SCRATCH, scratch))
-    n_parts = -(-(batch * seqlen) // PART_LEN)
+    runs = batch * -(-seqlen // CONSTANTS["WEIGHT_RUN"])
+    n_parts = -(-runs // CONSTANTS["WEIGHT_THREADS"])
     elements = _grid(batch * dim * seqlen, GENERAL_THREADS)
     block = (GENERAL_THREADS, 1)
     launches = [
@@ -191,9 +193,8 @@ def _plan_backward(x, dout, dx, width: int, has_seq: bool, states: bool) -> Back
             f"bwd_weight<{t}>",
             min(n_parts * dim, MAX_GRID),
             (CONSTANTS["WEIGHT_THREADS"], 1),
-            part_len=PART_LEN,
             **fields,
-        ),  # fmt: skip
+        ),
     ]
     return _finish(launches, x, width, states, n_parts, scratch)
 

@@ -30,9 +30,12 @@
         void* __restrict__ dweight, void* __restrict__ dbias, T* __restrict__ dinitial_states,        \
         typename AccOf<T>::type* __restrict__ partials, typename AccOf<T>::type* __restrict__ scratch
 
-// Warps per SM that the fast kernels' register budgets (__launch_bounds__) are set for: 20
-// (at most 102 registers a thread), 8 for float64.
-__host__ __device__ constexpr int bwd_warps_per_sm(int bytes) { return bytes == 8 ? 8 : 20; }
+// Warps per SM that the fast kernels' register budgets (__launch_bounds__) are set for, by the
+// bytes of an element and the channels a lane computes: WARPS_PER_SM (the plan's), 16 for four
+// channels a lane, 8 for float64.
+__host__ __device__ constexpr int bwd_warps_per_sm(int bytes, int channels) {
+    return bytes == 8 ? 8 : channels > 2 ? 16 : WARPS_PER_SM;
+}
 
 // SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal
 // (exp(-z) = inf gives sigmoid 0); double: exact.

@@ -5,8 +5,9 @@
 //                   the plan: scratch_*_stride).
 //   bwd_dx<T>       one thread per (b, c, s), s >= 0: dx from scratch.
 //   bwd_weight<T>   one block of WEIGHT_THREADS threads per (part, c): the partial sums of
-//                   dweight[c, :] and dbias[c] over the part's PART positions (b, t), b slowest;
-//                   each tap summed by the threads, then reduced in a fixed tree.
+//                   dweight[c, :] and dbias[c] over the part's runs of WEIGHT_RUN positions of a
+//                   row (one run a thread; the inputs slide through a window of registers, one
+//                   new input per tap), each tap's sum reduced over the block in a fixed tree.
 //   bwd_states<T>   one thread per (b, c), after the main kernel: dinitial_states[b, c, :], and
 //                   with dfinal_states dx at the row's last K-1 positions again, with the
 //                   gradient of final_states added (dz of those positions recomputed; every
@@ -83,29 +84,53 @@ __device__ __forceinline__ A block_sum(A v, A* shared) {
 template <typename T>
 __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const __grid_constant__ BwdWeightParams p) {
     using A = typename AccOf<T>::type;
+    constexpr int RUN = WEIGHT_RUN;
     __shared__ A shared[WEIGHT_THREADS / 32];
-    const int64 dim = p.dim, seqlen = p.seqlen, positions = p.batch * seqlen, n_parts = p.n_parts;
+    const int64 dim = p.dim, seqlen = p.seqlen, n_parts = p.n_parts;
+    const int64 runs_per_row = (seqlen + RUN - 1) / RUN, runs = p.batch * runs_per_row;
     const int width = (int)p.width;
     for (int64 item = blockIdx.x; item < n_parts * dim; item += gridDim.x) {
         const int64 part = item / dim, c = item % dim;
-        const int64 n0 = part * p.part_len, n1 = min(n0 + p.part_len, positions);
+        const int64 run = part * WEIGHT_THREADS + threadIdx.x;  // this thread's run of a row
+        const bool active = run < runs;
+        const int64 b = active ? run / runs_per_row : 0, t0 = active ? run % runs_per_row * RUN : 0;
+        // dz and segment id of the run's positions t0 + j (id -1: padding or past the row),
+        // and the window of inputs h(s) with their ids, s = t0 + j - (K-1) + k for tap k.
+        A g[RUN], win[RUN];
+        int64 sid[RUN], ids[RUN];
+        auto id_at = [&](int64 s) { return seq_idx ? segment_id(seq_idx, p, b, s) : (int64)0; };
+        auto input = [&](int64 s) { return active && s < seqlen ? input_at<A>(x, initial_states, p, b, c, s) : A(0); };
+        #pragma unroll
+        for (int j = 0; j < RUN; ++j) {
+            const int64 t = t0 + j, s = t - (width - 1);
+            const bool in = active && t < seqlen;
+            g[j] = in ? scratch[b * p.scratch_batch_stride + c * p.scratch_c_stride + t * p.scratch_l_stride] : A(0);
+            sid[j] = in ? id_at(t) : -1;
+            win[j] = input(s);
+            ids[j] = active && s < seqlen ? id_at(s) : -2;
+        }
         A* const out = partials + (part * dim + c) * (width + 1);
-        for (int k = 0; k <= width; ++k) {  // tap k, then (k = K) the bias
+        for (int k = 0; k < width; ++k) {
             A sum = A(0);
-            for (int64 n = n0 + threadIdx.x; n < n1; n += WEIGHT_THREADS) {
-                const int64 b = n / seqlen, t = n % seqlen;
-                const A g = scratch[b * p.scratch_batch_stride + c * p.scratch_c_stride + t * p.scratch_l_stride];
-                if (k == width) {
-                    sum += g;
-                } else {
-                    const int64 s = t - (width - 1) + k;
-                    if (seq_idx && segment_id(seq_idx, p, b, s) != segment_id(seq_idx, p, b, t)) continue;
-                    sum += g * input_at<A>(x, initial_states, p, b, c, s);
-                }
-            }
+            #pragma unroll
+            for (int j = 0; j < RUN; ++j)
+                if (sid[j] >= 0 && ids[j] == sid[j]) sum += g[j] * win[j];
             const A total = block_sum(sum, shared);
             if (threadIdx.x == 0) out[k] = total;
+            const int64 s_next = t0 + RUN - (width - 1) + k;  // enters the window for tap k + 1
+            #pragma unroll
+            for (int j = 0; j + 1 < RUN; ++j) {
+                win[j] = win[j + 1];
+                ids[j] = ids[j + 1];
+            }
+            win[RUN - 1] = input(s_next);
+            ids[RUN - 1] = active && s_next < seqlen ? id_at(s_next) : -2;
         }
+        A sum = A(0);
+        #pragma unroll
+        for (int j = 0; j < RUN; ++j) sum += g[j];
+        const A total = block_sum(sum, shared);
+        if (threadIdx.x == 0) out[width] = total;
     }
 }
 

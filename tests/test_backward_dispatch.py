@@ -1,0 +1,175 @@
+"""Which kernels a backward call launches, with what arguments and scratch, for each layout and
+feature (cupyconv/_backward_plan.py).
+
+Runs without a GPU: the arrays are stand-ins exposing only ``__cuda_array_interface__`` and
+``__dlpack_device__``, and the launcher records instead of launching.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakes import FakeCudaArray
+
+import cupyconv
+from cupyconv import _arrays, _backward_plan, backward
+from cupyconv._backward_plan import CHANNEL_SMEM, all_backward_instances
+
+KERNELS = {k.template: k for k in _backward_plan.KERNELS}
+POINTERS = 13
+
+
+def params_of(plan, args) -> dict:
+    values = args.values
+    fields = _backward_plan.FIELDS + KERNELS[plan.name.split("<")[0]].plan_fields
+    params = dict(zip(fields, values[POINTERS:], strict=True))
+    params["pointers"] = values[:POINTERS]
+    return params
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record (kernel template, launch, parameters, allocations) instead of launching."""
+    record = {"launches": [], "allocations": []}
+
+    def fake_empty(like, shape, strides, dtype):
+        record["allocations"].append((tuple(shape), tuple(strides), np.dtype(dtype).name))
+        return _arrays.describe(FakeCudaArray(shape, strides, dtype), "out")
+
+    def fake_launch(plan, device, args, stream):
+        record["launches"].append((plan.name.split("<")[0], plan, params_of(plan, args)))
+
+    monkeypatch.setattr(backward, "empty", fake_empty)
+    monkeypatch.setattr(backward, "launch", fake_launch)
+    monkeypatch.setattr(backward, "stream_of", lambda a: None)
+    monkeypatch.setattr(backward, "result", lambda like, arr: arr.obj)
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    return record
+
+
+def cf(b, c, length, dtype=np.float32, **kw):
+    return FakeCudaArray((b, c, length), dtype=dtype, **kw)
+
+
+def cl(b, c, length, dtype=np.float32, **kw):
+    return FakeCudaArray((b, c, length), (length * c, 1, c), dtype=dtype, **kw)
+
+
+def call(x, width=4, dout=None, bias=True, **kw):
+    b, c, length = x.__cuda_array_interface__["shape"]
+    dtype = np.dtype(x.__cuda_array_interface__["typestr"])
+    dout = dout if dout is not None else FakeCudaArray((b, c, length), x_strides(x), dtype)
+    w = FakeCudaArray((c, width), dtype=dtype)
+    bias_ = FakeCudaArray((c,), dtype=dtype) if bias else None
+    return cupyconv.causal_conv1d_bwd(x, w, bias_, dout, activation="silu", **kw)
+
+
+def x_strides(x):
+    itemsize = np.dtype(x.__cuda_array_interface__["typestr"]).itemsize
+    return tuple(s // itemsize for s in x.__cuda_array_interface__["strides"])
+
+
+def names(record):
+    return [name for name, _, _ in record["launches"]]
+
+
+@pytest.mark.parametrize(
+    "x,width,main",
+    [
+        (cf(2, 64, 300), 4, "bwd_time"),
+        (cf(2, 64, 300), 16, "bwd_time"),
+        (cf(2, 64, 300), 17, "bwd_dz"),  # wider: the general path
+        (cl(2, 64, 300), 4, "bwd_channel"),
+        (cl(2, 64, 300), 8, "bwd_channel"),
+        (cl(2, 64, 300), 9, "bwd_dz"),
+        (cl(2, 63, 300), 4, "bwd_dz"),  # channels do not split into lane vectors
+        (cl(2, 64, 300, offset=1), 4, "bwd_dz"),  # misaligned
+        (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_dz"),  # every other step
+    ],
+)
+def test_main_kernel_by_layout(launches, x, width, main):
+    call(x, width)
+    got = names(launches)
+    assert got[0] == main
+    if main == "bwd_dz":
+        assert got[:3] == ["bwd_dz", "bwd_dx", "bwd_weight"]
+    assert got[-1] == "bwd_reduce" and "bwd_states" not in got
+
+
+def test_partials_and_scratch(launches):
+    """The partials hold n_parts blocks of (dim, width + 1) accumulators; only the general path
+    allocates a dz scratch, laid out like x."""
+    call(cf(3, 64, 5000), 4)
+    (_, plan, params) = launches["launches"][0]
+    parts = params["n_parts"]
+    assert launches["allocations"][-1] == ((parts, 64, 5), (64 * 5, 5, 1), "float32")
+    chunk = 32 * 8 * 4  # bwd_time long rows: 8 vectors of 4 float32 a lane
+    assert parts == 3 * -(-5000 // chunk)
+    launches["allocations"].clear()
+    call(cl(3, 64, 5000), 20)  # general path, channel-last: dz [batch, seqlen, dim]
+    shapes = launches["allocations"]
+    assert ((3, 64, 5000), (5000 * 64, 1, 64), "float32") in shapes
+
+
+@pytest.mark.parametrize("dinit,dfinal", [(True, False), (False, True), (True, True)])
+def test_states_kernel_when_needed(launches, dinit, dfinal):
+    x = cf(2, 16, 100)
+    init = FakeCudaArray((2, 16, 3))
+    df = FakeCudaArray((2, 16, 3)) if dfinal else None
+    call(x, 4, initial_states=init, dfinal_states=df, return_dinitial_states=dinit)
+    got = names(launches)
+    assert got == ["bwd_time", "bwd_states", "bwd_reduce"]
+    params = launches["launches"][1][2]
+    assert (params["pointers"][10] != 0) == dinit  # dinitial_states
+    assert (params["pointers"][6] != 0) == dfinal  # dfinal_states
+
+
+def test_no_tokens_still_writes_zero_gradients(launches):
+    """seqlen 0: no main kernel; the reduction writes zeros (n_parts 0), bwd_states copies
+    dfinal_states into dinitial_states."""
+    x = cf(2, 16, 0)
+    call(x, 4, initial_states=FakeCudaArray((2, 16, 3)), dfinal_states=FakeCudaArray((2, 16, 3)),
+         return_dinitial_states=True)  # fmt: skip
+    assert names(launches) == ["bwd_states", "bwd_reduce"]
+    assert launches["launches"][-1][2]["n_parts"] == 0
+    assert launches["launches"][0][2]["seq_dtype"] == 0
+
+
+def test_vector_flags(launches):
+    """dout and dx are read / written in vectors only when they are aligned like x."""
+    x = cf(2, 64, 512, np.float16)
+    dout = FakeCudaArray((2, 64, 512), (64 * 1024, 1024, 2), np.float16)  # strided in time
+    dx = FakeCudaArray((2, 64, 512), dtype=np.float16, offset=1)  # misaligned
+    call(x, 4, dout=dout, dx=dx)
+    params = launches["launches"][0][2]
+    assert (params["x_aligned"], params["dout_aligned"], params["dx_aligned"]) == (1, 0, 0)
+
+
+def test_zero_stride_dout(launches):
+    """An expanded dout (stride 0) is read element by element."""
+    x = cl(2, 64, 100)
+    dout = FakeCudaArray((2, 64, 100), (0, 0, 0))
+    call(x, 4, dout=dout)
+    name, _, params = launches["launches"][0]
+    assert name == "bwd_channel" and params["dout_aligned"] == 0
+
+
+def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
+    """Every bwd_channel instance: R a multiple of K (compile-time ring slots), and its two
+    staged tiles per warp within the static shared-memory budget."""
+    for names_ in all_backward_instances().values():
+        for name in names_:
+            if not name.startswith("bwd_channel<"):
+                continue
+            args = name[len("bwd_channel<") : -1].split(", ")
+            width, steps, lane_bytes, warps = (int(a) for a in (args[1], *args[3:]))
+            assert steps % width == 0, name
+            assert warps * 2 * 2 * steps * 32 * lane_bytes <= CHANNEL_SMEM, name
+
+
+def test_fields_match_the_structs():
+    """Every kernel's parameter struct in the prelude lists FIELDS then its plan's fields."""
+    text = _backward_plan.TIME.source.prelude
+    for kernel in _backward_plan.KERNELS:
+        fields = ", ".join(_backward_plan.FIELDS + kernel.plan_fields)
+        assert f"struct {kernel.params} {{ long long {fields}; }};" in text
