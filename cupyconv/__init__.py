@@ -4,9 +4,11 @@ at run time through CuPy (NVRTC).
     import cupyconv
     out = cupyconv.causal_conv1d_fn(x, weight, bias, activation="silu")
 
-The API keeps the names and arguments of ``causal-conv1d``. In this version the forward runs on
-the GPU; the backward, the decode update and the packed-sequence states run on CPU arrays
-(through the float64 reference) and raise NotImplementedError on GPU arrays.
+The API keeps the names and arguments of ``causal-conv1d``. In this version the forward and the
+backward run on the GPU (torch tensors that require grad train through custom operators;
+``cupyconv.jax`` is the JAX function with its gradient); the decode update and the
+packed-sequence states run on CPU arrays (through the float64 reference) and raise
+NotImplementedError on GPU arrays.
 ``cupyconv.reference`` is the float64 numpy reference every result is tested against.
 """
 

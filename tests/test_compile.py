@@ -2,10 +2,13 @@
 
 Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
 ``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles a
-representative set: every forward kernel family for every dtype, for sm_90. The ``sweep`` marker
-(run by ``.ci/run``) compiles every instance the dispatcher can produce for sm_90, several
-instances per NVRTC program and the programs in parallel processes, and the representative set
-for sm_80 and as compute_90 PTX.
+representative set: every forward kernel family for every dtype, and every backward family for
+a 2-byte and the 8-byte dtype, for sm_90. The ``sweep`` marker (run by ``.ci/run``) compiles
+every instance the dispatchers can produce, several instances per NVRTC program and the programs
+in parallel processes: the forward's for sm_90; the backward's as compute_90 PTX (NVRTC's whole
+front end and optimiser; the backward's 340 instances through ptxas as well would take the CI
+machine over its budget); the representative sets of both (every family and dtype) for sm_80
+and as PTX, and the backward's for sm_90.
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from cupyconv import _backward_plan, _forward_plan
+from cupyconv._backward_plan import all_backward_instances
 from cupyconv._compile import C_TYPES, compile_offline
-from cupyconv._forward_plan import SOURCES, all_forward_instances
+from cupyconv._forward_plan import all_forward_instances
+
+SOURCES = {**_forward_plan.SOURCES, **_backward_plan.SOURCES}
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings wheel")
 pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
@@ -24,9 +31,13 @@ pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
 PER_PROGRAM = 8  # instances per NVRTC program in the sweep
 
 
-def representative() -> dict:
-    """Each kernel family for each dtype: widths 4 and 64, with and without seq_idx."""
-    return all_forward_instances(dtypes=tuple(C_TYPES), widths=(4, 64))
+def representative(dtypes=tuple(C_TYPES)) -> dict:
+    """Each kernel family of both operators for each dtype: forward widths 4 and 64, backward
+    width 4, with and without seq_idx."""
+    return {
+        **all_forward_instances(dtypes=dtypes, widths=(4, 64)),
+        **all_backward_instances(dtypes=dtypes, widths=(4,)),
+    }
 
 
 def _compile(file: str, names: list[str], arch: str) -> tuple[int, int]:
@@ -52,20 +63,42 @@ def compile_all(instances: dict, arch: str) -> int:
 
 
 def _cost(name: str) -> int:
-    """A rough compile cost, to start the slowest programs first: the width of fwd_time."""
-    return int(name.split(",")[1]) if name.startswith("fwd_time<") else 0
+    """A rough compile cost, to start the slowest programs first: the width of fwd_time and
+    bwd_time."""
+    return int(name.split(",")[1]) if name.split("<")[0] in ("fwd_time", "bwd_time") else 0
 
 
 @pytest.mark.parametrize("dtype", list(C_TYPES))
-def test_every_family_compiles(dtype):
+def test_every_forward_family_compiles(dtype):
     instances = all_forward_instances(dtypes=(dtype,), widths=(4, 64))
     for source, names in instances.items():
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_every_backward_family_compiles(dtype):
+    """bwd_time (short and long rows), bwd_channel, and the general kernels, width 4."""
+    instances = all_backward_instances(dtypes=(dtype,), widths=(4,))
+    for source, names in instances.items():
+        names = [n for n in names if "true" not in n]  # seq_idx instances: in the sweep
+        assert len(compile_offline(source, names, "sm_90")) > 1000
+
+
 @pytest.mark.sweep
-def test_every_instance_compiles_for_sm_90():
+def test_every_forward_instance_compiles_for_sm_90():
     instances = all_forward_instances()
+    assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
+
+
+@pytest.mark.sweep
+def test_every_backward_instance_compiles_to_ptx():
+    instances = all_backward_instances()
+    assert compile_all(instances, "compute_90") == sum(len(n) for n in instances.values())
+
+
+@pytest.mark.sweep
+def test_representative_backward_instances_compile_for_sm_90():
+    instances = all_backward_instances(widths=(4,))
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
 
 
