@@ -29,10 +29,13 @@ stride order of the array they follow (``_arrays.strides_like``, torch's ``empty
 final_states laid out [batch, width - 1, dim], dinitial_states in x's dtype and the stride order
 of initial_states.
 
-Routing (``needs_op``, ``traced``): an eager call goes through the operators only when autograd
-records it (grad mode on and x, weight, bias or initial_states requiring grad); eager inference
-takes the direct path and skips the dispatcher. torch.compile, torch.export and other tracers
-(FakeTensor or FunctionalTensor inputs) always get the operators.
+Routing (``needs_op``, ``traced``): an eager call comes here only when autograd records it
+(grad mode on and x, weight, bias or initial_states requiring grad); eager inference takes the
+direct path and skips the dispatcher. An eager call that autograd records runs ``_Eager``, a
+``torch.autograd.Function`` over the same direct paths and the same backward formula (a custom
+operator's dispatch costs several times an autograd.Function's on the host). torch.compile,
+torch.export and other tracers (FakeTensor or FunctionalTensor inputs) always get the operators,
+so dynamo never traces into the direct path.
 """
 
 import torch
@@ -135,6 +138,8 @@ def causal_conv1d_fn(
     )  # fmt: skip
     args = (x, weight, bias, seq_idx, initial_states, activation)
     if out is None and final_states_out is None:
+        if not traced(x):
+            return _Eager.apply(*args, return_final_states)
         if return_final_states:
             return torch.ops.cupyconv.causal_conv1d_fwd_final_states(*args)
         return torch.ops.cupyconv.causal_conv1d_fwd(*args)
@@ -342,30 +347,68 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dfinal_states=None):
-    """dout, and dfinal_states for causal_conv1d_fwd_final_states: None where nothing used
-    that output."""
+    """The gradients through the operator causal_conv1d_bwd: dout, and dfinal_states for
+    causal_conv1d_fwd_final_states, None where nothing used that output."""
+    return _gradients(ctx, dout, dfinal_states, _operator_backward)
+
+
+def _operator_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
+    grads = torch.ops.cupyconv.causal_conv1d_bwd(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
+    )
+    dbias = grads[2] if bias is not None else None
+    return grads[0], grads[1], dbias, grads[-1] if want_dinit else None
+
+
+def _eager_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
+    return _direct_backward(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act,
+        None, None, None,
+    )  # fmt: skip
+
+
+def _gradients(ctx, dout, dfinal_states, run_backward):
+    """The gradients of (x, weight, bias, seq_idx, initial_states), by ``run_backward`` (the
+    operator, or the direct path)."""
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     if dout is None:  # only final_states was used
         dout = torch.zeros_like(x)
-    need_x, need_weight, need_bias, _, need_init, _ = ctx.needs_input_grad
+    need_x, need_weight, need_bias, _, need_init = ctx.needs_input_grad[:5]
     want_dinit = need_init and initial_states is not None
-    grads = torch.ops.cupyconv.causal_conv1d_bwd(
+    dx, dweight, dbias, dinit = run_backward(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want_dinit, ctx.activation
     )
-    dinit = None
-    if want_dinit:  # in x's dtype; autograd expects the dtype of initial_states
-        dinit = grads[-1]
-        if dinit.dtype != initial_states.dtype:
-            dinit = dinit.to(initial_states.dtype)
+    if want_dinit and dinit.dtype != initial_states.dtype:  # autograd expects its own dtype
+        dinit = dinit.to(initial_states.dtype)
     return (
-        grads[0] if need_x else None,
-        grads[1] if need_weight else None,
-        grads[2] if need_bias and bias is not None else None,
+        dx if need_x else None,
+        dweight if need_weight else None,
+        dbias if need_bias and bias is not None else None,
         None,  # seq_idx
         dinit,
-        None,  # activation
     )
 
 
-_fwd.register_autograd(_backward, setup_context=_setup_context)
-_fwd_final_states.register_autograd(_backward, setup_context=_setup_context)
+def _operator_autograd(ctx, dout, dfinal_states=None):
+    return (*_backward(ctx, dout, dfinal_states), None)  # activation
+
+
+_fwd.register_autograd(_operator_autograd, setup_context=_setup_context)
+_fwd_final_states.register_autograd(_operator_autograd, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """Eager calls that autograd records: the forward operators' autograd without their
+    dispatch (the direct paths, the same backward formula)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
+        res = _direct_forward(
+            x, weight, bias, seq_idx, initial_states, return_final_states, None, activation, None
+        )
+        _setup_context(ctx, (x, weight, bias, seq_idx, initial_states, activation), res)
+        return res
+
+    @staticmethod
+    def backward(ctx, dout, dfinal_states=None):
+        return (*_gradients(ctx, dout, dfinal_states, _eager_backward), None, None)
