@@ -5,10 +5,11 @@ Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc``
 representative set: every forward kernel family for every dtype, and every backward family for
 a 2-byte and the 8-byte dtype, for sm_90. The ``sweep`` marker (run by ``.ci/run``) compiles
 every instance the dispatchers can produce, several instances per NVRTC program and the programs
-in parallel processes: the forward's for sm_90; the backward's as compute_90 PTX (NVRTC's whole
-front end and optimiser; the backward's 340 instances through ptxas as well would take the CI
-machine over its budget); the representative sets of both (every family and dtype) for sm_80
-and as PTX, and the backward's for sm_90.
+in parallel processes: the forward's for sm_90; the backward's for bfloat16 and float64 (the
+narrowest and the widest vectors) as compute_90 PTX, NVRTC's whole front end and optimiser (all
+340 backward instances through ptxas as well would take the 2-core CI machine over its budget:
+about 15 minutes); the representative sets of both (every family and dtype) for sm_80 and as
+PTX, and the backward's for sm_90.
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ def test_every_forward_instance_compiles_for_sm_90():
 
 
 @pytest.mark.sweep
-def test_every_backward_instance_compiles_to_ptx():
-    instances = all_backward_instances()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_every_backward_instance_compiles_to_ptx(dtype):
+    """Every width, layout kernel and seq_idx variant of the narrowest and the widest vectors
+    (the other two dtypes differ from these in their element conversions only, compiled for
+    every family at width 4 by the representative tests)."""
+    instances = all_backward_instances(dtypes=(dtype,))
     assert compile_all(instances, "compute_90") == sum(len(n) for n in instances.values())
 
 
