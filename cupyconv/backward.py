@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as v
-from . import reference
+from . import forward, reference
 from ._arrays import dense_strides, empty, result, stream_of, stride_order, strides_like
 from ._backward_plan import backward_args, plan_backward
 from ._host import host, output
@@ -43,10 +43,9 @@ def causal_conv1d_bwd(
     at the recomputed pre-activation.
     """
     if type(x).__module__.startswith("torch"):  # traced by torch.compile: the custom operators
-        from . import _torch_ops
-
-        if _torch_ops.traced(x):
-            return _torch_ops.causal_conv1d_bwd(
+        torch_ops = forward._torch_ops or forward._load_torch_ops()
+        if torch_ops.traced(x):
+            return torch_ops.causal_conv1d_bwd(
                 x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
                 return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
             )  # fmt: skip

@@ -57,7 +57,7 @@ def causal_conv1d_fn(
     """
     if type(x).__module__.startswith("torch") and (_torch_ops or _load_torch_ops()).needs_op(
         x, weight, bias, initial_states
-    ):  # autograd records the call, or torch.compile traces it: the custom operators
+    ):  # autograd records the call, or torch.compile traces it: the torch layer
         return _torch_ops.causal_conv1d_fn(
             x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
             activation, out,
@@ -73,6 +73,7 @@ _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (
 
 
 def _load_torch_ops():
+    """cupyconv._torch_ops, imported once (the backward's entry uses it too)."""
     global _torch_ops
     from . import _torch_ops as module
 
