@@ -16,7 +16,7 @@ import numpy as np
 
 import cupyconv
 from cupyconv import reference
-from cupyconv.testing import assert_close
+from cupyconv.testing import GRAD_TOLERANCE, assert_close, tolerance
 
 DEFAULT = {"batch": 2, "dim": 256, "seqlen": 2048, "width": 4}
 
@@ -66,7 +66,24 @@ def check_cpu() -> None:
     )
     assert_close(out, want, "float32")
     assert_close(final, want_final, "float32", name="final_states")
-    print(f"CPU path: float32 {x.shape} width {w.shape[1]} matches the reference")
+    check_backward(x, w, bias, np.float32, lambda a: a)
+    print(f"CPU path: float32 {x.shape} width {w.shape[1]} matches the reference (fwd, bwd)")
+
+
+def check_backward(x, w, bias, dtype, to_device) -> None:
+    """causal_conv1d_bwd on the default problem (arrays made by ``to_device``) against the
+    reference: dx at the dtype's tolerance, dweight and dbias at the reduction's."""
+    rng = np.random.default_rng(2)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    args = [a.astype(dtype) for a in (x, w, bias, dout)]
+    dx, dweight, dbias, _ = cupyconv.causal_conv1d_bwd(*map(to_device, args), activation="silu")
+    want = reference.causal_conv1d_bwd(*args, activation="silu")
+    name = np.dtype(dtype).name
+    rtol = max(GRAD_TOLERANCE[0], tolerance(name)[0])
+    atol = GRAD_TOLERANCE[1] * (x.shape[0] * x.shape[2]) ** 0.5
+    assert_close(dx, want[0], name, name="dx")
+    assert_close(dweight, want[1], rtol=rtol, atol=atol, name="dweight")
+    assert_close(dbias, want[2], rtol=rtol, atol=atol, name="dbias")
 
 
 def check_gpu() -> None:
@@ -81,7 +98,11 @@ def check_gpu() -> None:
             *(a.astype(dtype) for a in (x, w, bias)), activation="silu"
         )
         assert_close(out, want, np.dtype(dtype).name)
-        print(f"GPU: {np.dtype(dtype).name} {x.shape} width {w.shape[1]} matches the reference")
+        check_backward(x, w, bias, dtype, cupy.asarray)
+        print(
+            f"GPU: {np.dtype(dtype).name} {x.shape} width {w.shape[1]} matches the reference "
+            "(fwd, bwd)"
+        )
     # A short timing against a device-to-device copy of the same bytes.
     shape = (8, 1024, 4096)
     rng = np.random.default_rng(1)
@@ -115,11 +136,14 @@ def check_gpu() -> None:
 
 def check_compile() -> None:
     """Every forward kernel family, on the default problem's dtype and width (and width 64 for
-    the wide-filter kernels), compiles with NVRTC for sm_80 and sm_90."""
+    the wide-filter kernels), compiles with NVRTC for sm_80 and sm_90, and every backward
+    family (without seq_idx) for sm_90."""
+    from cupyconv._backward_plan import all_backward_instances
     from cupyconv._compile import compile_offline, nvrtc_version
     from cupyconv._forward_plan import all_forward_instances
 
     instances = all_forward_instances(dtypes=("bfloat16",), widths=(DEFAULT["width"], 64))
+    backward = all_backward_instances(dtypes=("bfloat16",), widths=(DEFAULT["width"],))
     try:
         version = nvrtc_version()
     except ImportError as e:
@@ -129,7 +153,13 @@ def check_compile() -> None:
     for arch in ("sm_80", "sm_90"):
         for source, names in instances.items():
             compile_offline(source, names, arch)
-    print(f"compile check: {count} forward kernels compile with NVRTC {version} for sm_80, sm_90")
+    backward = {s: [n for n in names if "true" not in n] for s, names in backward.items()}
+    for source, names in backward.items():
+        compile_offline(source, names, "sm_90")
+    print(
+        f"compile check: {count} forward kernels compile with NVRTC {version} for sm_80, sm_90, "
+        f"{sum(len(n) for n in backward.values())} backward kernels for sm_90"
+    )
 
 
 def main(argv=None) -> int:
