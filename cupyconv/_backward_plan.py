@@ -29,9 +29,10 @@ from ._launch import (
     dtype_code,
     fast_divisor,
     pack,
-)  # fmt: skip
+)
 
-# Launch constants shared with the kernels.
+# Launch constants shared with the kernels. Measurements behind the tile sizes, chunk shapes and
+# register budget: benchmarks/NOTES.md, "Backward kernels (version 1)".
 CONSTANTS = {
     "WEIGHT_THREADS": 256,  # bwd_weight: threads per block (one run of positions each)
     "WEIGHT_RUN": 16,  # bwd_weight: positions per run
