@@ -346,12 +346,6 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # the gradient of an output nothing used stays None
 
 
-def _backward(ctx, dout, dfinal_states=None):
-    """The gradients through the operator causal_conv1d_bwd: dout, and dfinal_states for
-    causal_conv1d_fwd_final_states, None where nothing used that output."""
-    return _gradients(ctx, dout, dfinal_states, _operator_backward)
-
-
 def _operator_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
     grads = torch.ops.cupyconv.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
@@ -390,7 +384,9 @@ def _gradients(ctx, dout, dfinal_states, run_backward):
 
 
 def _operator_autograd(ctx, dout, dfinal_states=None):
-    return (*_backward(ctx, dout, dfinal_states), None)  # activation
+    """The gradients through the operator causal_conv1d_bwd: dout, and dfinal_states for
+    causal_conv1d_fwd_final_states, None where nothing used that output."""
+    return (*_gradients(ctx, dout, dfinal_states, _operator_backward), None)  # activation
 
 
 _fwd.register_autograd(_operator_autograd, setup_context=_setup_context)
