@@ -59,8 +59,9 @@ def causal_conv1d_bwd(
 class _BackwardCall:
     """The arguments of one backward call, described and checked once."""
 
-    __slots__ = ("conv", "dout", "dfinal", "dx", "dweight", "dbias", "dinit", "want_dinit")
-    __slots__ += ("silu", "device")
+    __slots__ = (
+        "conv", "dout", "dfinal", "dx", "dweight", "dbias", "dinit", "want_dinit", "silu", "device",
+    )  # fmt: skip
 
     def __init__(
         self, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
