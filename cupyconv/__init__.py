@@ -4,11 +4,10 @@ at run time through CuPy (NVRTC).
     import cupyconv
     out = cupyconv.causal_conv1d_fn(x, weight, bias, activation="silu")
 
-The API keeps the names and arguments of ``causal-conv1d``. In this version the forward and the
-backward run on the GPU (torch tensors that require grad train through custom operators;
-``cupyconv.jax`` is the JAX function with its gradient); the decode update and the
-packed-sequence states run on CPU arrays (through the float64 reference) and raise
-NotImplementedError on GPU arrays.
+The API keeps the names and arguments of ``causal-conv1d``. The forward, the backward, the
+decode update and the packed-sequence states run on the GPU for GPU arrays (torch tensors that
+require grad train through custom operators; ``cupyconv.jax`` is the JAX function with its
+gradient) and through the float64 reference for CPU arrays.
 ``cupyconv.reference`` is the float64 numpy reference every result is tested against.
 """
 
@@ -16,8 +15,9 @@ __version__ = "0.1.0"
 
 from . import reference
 from ._validate import debug
+from ._warmup import warmup
 from .backward import causal_conv1d_bwd
-from .forward import causal_conv1d_fn, warmup
+from .forward import causal_conv1d_fn
 from .update import causal_conv1d_update
 from .varlen import causal_conv1d_varlen_states
 

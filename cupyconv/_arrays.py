@@ -376,6 +376,15 @@ def stream_of(arr: Array):
     return None
 
 
+def stream_ptr(stream) -> int:
+    """The raw handle of a stream from ``stream_of`` (None: CuPy's current stream)."""
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return stream.ptr
+
+
 def _torch_stream(device: int) -> int:
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels use

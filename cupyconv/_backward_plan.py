@@ -71,6 +71,7 @@ FIELDS = (
     "weight_dtype", "bias_dtype", "seq_dtype", "init_dtype", "dfinal_dtype",
     "silu_act", "n_parts",
 )  # fmt: skip
+POINTERS = 13
 _SCRATCH = ("scratch_batch_stride", "scratch_c_stride", "scratch_l_stride")
 
 TIME = Kernel(

@@ -121,6 +121,11 @@ def _load(source: Source, name: str, device: int) -> tuple:
     return loaded
 
 
+def is_loaded(source: Source, name: str, device: int) -> bool:
+    """Whether instance ``name`` of ``source`` is compiled and loaded on ``device``."""
+    return (device, source.file, name) in _kernels
+
+
 def get_kernel(source: Source, name: str, device: int):
     """The loaded ``cupy.cuda.Function`` for template instance ``name`` of ``source`` on
     ``device`` (compiled on first use, then memoised)."""

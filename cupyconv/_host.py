@@ -56,9 +56,3 @@ def output(given: Array | None, like: Array, values: np.ndarray, order=None):
     array like ``like`` (``new_host``)."""
     return write_host(given, values) if given is not None else new_host(like, values, order)
 
-
-def gpu_pending(op: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{op} on GPU arrays is not available in this version of cupyconv; "
-        "CPU arrays (numpy, CPU torch/JAX) run through the float64 reference"
-    )

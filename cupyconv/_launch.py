@@ -6,12 +6,14 @@ Operator-agnostic: a :class:`Launch` carries its own source, so nothing here nam
 
 from __future__ import annotations
 
+import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ._arrays import remember
-from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel, prelude
+from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel, is_loaded, prelude
 
 MAX_GRID = 2**31 - 1  # most blocks along x
 
@@ -81,7 +83,7 @@ class ParamBlock:
     HEADER = 6
     BUFFER_POINTER, BUFFER_SIZE, END = 1, 2, 0  # CU_LAUNCH_PARAM_* of the CUDA driver API
 
-    def __init__(self, values: tuple[int, ...]):
+    def __init__(self, values: tuple[int, ...], writable: bool = False):
         words = np.empty(self.HEADER + len(values), np.int64)
         addr = words.ctypes.data
         buffer, size = addr + 8 * self.HEADER, addr + 8 * (self.HEADER - 1)
@@ -89,7 +91,7 @@ class ParamBlock:
             self.BUFFER_POINTER, buffer, self.BUFFER_SIZE, size, self.END, 8 * len(values)
         )  # fmt: skip
         words[self.HEADER :] = values
-        words.flags.writeable = False
+        words.flags.writeable = writable
         self.words, self.extra = words, addr
 
     @property
@@ -117,29 +119,82 @@ def launch(plan: Launch, device: int, params: ParamBlock, stream) -> None:
     CuPy's current stream) through the driver API."""
     import cupy
 
-    function = get_kernel(plan.source, plan.name, device).ptr
     stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
+    function = loaded_kernel(plan, device, stream_ptr)
+    _launch_on(cupy, device, function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra)
+
+
+def loaded_kernel(plan: Launch, device: int, stream_ptr: int) -> int:
+    """The handle of ``plan``'s kernel on ``device``, compiled and loaded first if need be;
+    refused while ``stream_ptr`` is capturing a CUDA graph (loading a module there would break
+    the capture)."""
+    if not is_loaded(plan.source, plan.name, device):
+        import cupy
+
+        if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+            raise RuntimeError(
+                f"cupyconv kernel {plan.name} is not compiled yet and the stream is capturing a "
+                "CUDA graph, where it cannot be compiled or loaded; call cupyconv.warmup(...) "
+                "with the same arguments (or run the call once) before the capture"
+            )
+    return get_kernel(plan.source, plan.name, device).ptr
+
+
+def _launch_on(cupy, device, function, grid, block, smem, stream_ptr, extra) -> None:
     if cupy.cuda.runtime.getDevice() == device:
-        _launch(cupy, function, plan, stream_ptr, params.extra, device)
+        _launch(cupy, function, grid, block, smem, stream_ptr, extra, device)
     else:
         with cupy.cuda.Device(device):
-            _launch(cupy, function, plan, stream_ptr, params.extra, device)
+            _launch(cupy, function, grid, block, smem, stream_ptr, extra, device)
 
 
-def _launch(cupy, function: int, plan: Launch, stream: int, extra: int, device: int) -> None:
+def _launch(cupy, function: int, grid, block, smem, stream: int, extra: int, device: int) -> None:
     driver = cupy.cuda.driver
-    bx, by = plan.block
+    bx, by = block
     for attempt in range(2):
         try:
-            return driver.launchKernel(
-                function, plan.grid, 1, 1, bx, by, 1, plan.smem, stream, 0, extra
-            )
+            return driver.launchKernel(function, grid, 1, 1, bx, by, 1, smem, stream, 0, extra)
         except driver.CUDADriverError as e:
             if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
                 raise
             # A thread that has not used CUDA yet has no current context: make the device's
             # primary context (where the kernel was loaded) current, and launch again.
             cupy.cuda.runtime.setDevice(device)
+
+
+class Replay:
+    """The launches of one call, ready to run again with other arrays of the same layout: the
+    kernel handles, the launch shapes, and a parameter buffer per launch of which only the
+    leading ``n_pointers`` words (the arrays' addresses, the same for every launch of an
+    operator) change from call to call. Built from a call that was checked in full; what it
+    skips on later calls is what depended only on the layout (``cupyconv/_fast.py``).
+
+    The kernels take their parameters when they are launched (cuLaunchKernel copies them), so
+    one buffer serves every call; a lock keeps threads from writing it during another's launch.
+    """
+
+    __slots__ = ("device", "steps", "fmt", "lock")
+
+    def __init__(self, launches, device: int, n_pointers: int, stream_ptr: int):
+        """``launches``: (Launch, ParamBlock) pairs of the call, in order."""
+        self.device, self.fmt, self.lock = device, f"<{n_pointers}q", threading.Lock()
+        self.steps = tuple(
+            (
+                loaded_kernel(plan, device, stream_ptr), plan.grid, plan.block, plan.smem,
+                ParamBlock(params.values, writable=True),
+            )
+            for plan, params in launches
+        )  # fmt: skip
+
+    def run(self, pointers: tuple[int, ...], stream_ptr: int) -> None:
+        """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
+        import cupy
+
+        offset = 8 * ParamBlock.HEADER
+        with self.lock:
+            for function, grid, block, smem, params in self.steps:
+                struct.pack_into(self.fmt, params.words, offset, *pointers)
+                _launch_on(cupy, self.device, function, grid, block, smem, stream_ptr, params.extra)
 
 
 # ---- occupancy: how many blocks of a kernel the device holds at once ------------------------

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _fast, forward, reference
 from . import _validate as v
-from . import forward, reference
-from ._arrays import dense_strides, empty, result, stream_of, stride_order, strides_like
-from ._backward_plan import backward_args, plan_backward
+from ._arrays import dense_strides, empty, result, stream_of, stream_ptr, stride_order, strides_like
+from ._backward_plan import POINTERS, backward_args, plan_backward
 from ._host import host, output
-from ._launch import launch
+from ._launch import Replay, launch
 
 __all__ = ["causal_conv1d_bwd"]
 
@@ -42,18 +42,28 @@ def causal_conv1d_bwd(
     return_dinitial_states and initial_states is given, else None. SiLU's derivative is taken
     at the recomputed pre-activation.
     """
-    if type(x).__module__.startswith("torch"):  # traced by torch.compile: the custom operators
+    fw = _fast.framework(x)
+    if fw is _fast.Torch:  # traced by torch.compile: the custom operators
         torch_ops = forward._torch_ops or forward._load_torch_ops()
         if torch_ops.traced(x):
             return torch_ops.causal_conv1d_bwd(
                 x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
                 return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
             )  # fmt: skip
+    key = None
+    if fw is not None and dx is None and dweight_out is None and dbias_out is None:
+        inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
+        want = return_dinitial_states if type(return_dinitial_states) is bool else None
+        if dinitial_states_out is None or not want:
+            key = _fast.signature(fw, inputs, "bwd", activation, want)
+            fast = _fast.lookup(key)
+            if fast is not None:
+                return fast(inputs, x)[:4]
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
     )  # fmt: skip
-    return _backward_gpu(call) if call.conv.x.on_gpu else _backward_cpu(call)
+    return _backward_gpu(call, fw, key) if call.conv.x.on_gpu else _backward_cpu(call)
 
 
 class _BackwardCall:
@@ -101,12 +111,22 @@ class _BackwardCall:
         for i, (name, buffer) in enumerate(outputs):
             v.writable(buffer, name, inputs + outputs[:i])
 
+    def plan(self, dx=None):
+        """The backward plan of this call on the GPU, with ``dx`` the dx written (default: the
+        caller's buffer, or a new one like x)."""
+        a = self.conv
+        x = a.x
+        dx = dx or self.dx or empty(x, x.shape, strides_like(x), x.dtype)
+        states = self.want_dinit or self.dfinal is not None
+        return plan_backward(x, self.dout, dx, a.width, a.seq_idx is not None, states)
+
 
 def _acc_dtype(x) -> np.dtype:
     return np.dtype(np.float64 if x.dtype_name == "float64" else np.float32)
 
 
-def _backward_gpu(call: _BackwardCall):
+def _backward_gpu(call: _BackwardCall, fw=None, key=None):
+    """Launch the call's kernels; with a signature ``key``, leave its FastCall behind."""
     a = call.conv
     x, w = a.x, a.weight
     batch, dim, seqlen = x.shape
@@ -120,7 +140,17 @@ def _backward_gpu(call: _BackwardCall):
         init = a.initial_states
         dinit = call.dinit or empty(x, init.shape, strides_like(init), x.dtype)
     if dim > 0:
-        _launch_backward(call, dx, dweight, dbias, dinit)
+        stream = stream_of(x)
+        launches, partials, scratch = _launches(call, dx, dweight, dbias, dinit)
+        for step, args in launches:
+            launch(step, call.device, args, stream)
+        if key is not None:
+            outputs = tuple(
+                m and _fast.output_spec(fw, m)
+                for m in (dx, dweight, dbias, dinit, partials, scratch)
+            )
+            replay = Replay(launches, call.device, POINTERS, stream_ptr(stream))
+            _fast.store(key, _fast.FastCall(fw, call.device, replay, outputs))
     given = (call.dx, call.dweight, call.dbias, call.dinit)
     made = (dx, dweight, dbias, dinit)
     return tuple(
@@ -128,25 +158,29 @@ def _backward_gpu(call: _BackwardCall):
     )
 
 
-def _launch_backward(call: _BackwardCall, dx, dweight, dbias, dinit) -> None:
+def _launches(call: _BackwardCall, dx, dweight, dbias, dinit):
+    """The call's (Launch, parameters) pairs, with the partials and scratch they need."""
     a = call.conv
     x = a.x
-    states = dinit is not None or call.dfinal is not None
-    plan = plan_backward(x, call.dout, dx, a.width, a.seq_idx is not None, states)
+    plan = call.plan(dx)
     acc = _acc_dtype(x)
     parts = (plan.n_parts, x.shape[1], a.width + 1)
     partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)
     scratch = None
     if plan.scratch_strides is not None:
         scratch = empty(x, x.shape, plan.scratch_strides, acc)
-    stream = stream_of(x)
     seq_idx = a.seq_idx if x.shape[2] > 0 else None  # no token, no segment id to read
-    for step in plan.launches:
-        args = backward_args(
-            step, plan, x, a.weight, a.bias, seq_idx, a.initial_states, call.dout,
-            call.dfinal, dx, dweight, dbias, dinit, partials, scratch, a.width, call.silu,
-        )  # fmt: skip
-        launch(step, call.device, args, stream)
+    launches = [
+        (
+            step,
+            backward_args(
+                step, plan, x, a.weight, a.bias, seq_idx, a.initial_states, call.dout,
+                call.dfinal, dx, dweight, dbias, dinit, partials, scratch, a.width, call.silu,
+            ),
+        )
+        for step in plan.launches
+    ]  # fmt: skip
+    return launches, partials, scratch
 
 
 def _backward_cpu(call: _BackwardCall):

@@ -8,17 +8,14 @@ return the results in the caller's framework.
 
 from __future__ import annotations
 
-import inspect
-
+from . import _fast, reference
 from . import _validate as v
-from . import reference
-from ._arrays import Array, dense_strides, empty, result, stream_of, strides_like
-from ._compile import get_kernel
-from ._forward_plan import forward_args, plan_final_states, plan_forward
+from ._arrays import Array, dense_strides, empty, result, stream_of, stream_ptr, strides_like
+from ._forward_plan import POINTERS, forward_args, plan_final_states, plan_forward
 from ._host import host, output
-from ._launch import launch
+from ._launch import Replay, launch
 
-__all__ = ["causal_conv1d_fn", "warmup"]
+__all__ = ["causal_conv1d_fn"]
 
 
 def causal_conv1d_fn(
@@ -55,18 +52,28 @@ def causal_conv1d_fn(
     (for torch) on the current stream. torch tensors are differentiable in x, weight, bias and
     initial_states, and work under torch.compile (``cupyconv/_torch_ops.py``).
     """
-    if type(x).__module__.startswith("torch") and (_torch_ops or _load_torch_ops()).needs_op(
+    fw = _fast.framework(x)
+    if fw is _fast.Torch and (_torch_ops or _load_torch_ops()).needs_op(
         x, weight, bias, initial_states
     ):  # autograd records the call, or torch.compile traces it: the torch layer
         return _torch_ops.causal_conv1d_fn(
             x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
             activation, out,
         )  # fmt: skip
+    key = None
+    if fw is not None and out is None and final_states_out is None:
+        inputs = (x, weight, bias, seq_idx, initial_states)
+        final = return_final_states if type(return_final_states) is bool else None
+        key = _fast.signature(fw, inputs, "fwd", activation, final)
+        fast = _fast.lookup(key)
+        if fast is not None:
+            made = fast(inputs, x)
+            return made if return_final_states else made[0]
     call = _ForwardCall(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
         activation, out,
     )  # fmt: skip
-    return _forward_gpu(call) if call.conv.x.on_gpu else _forward_cpu(call)
+    return _forward_gpu(call, fw, key) if call.conv.x.on_gpu else _forward_cpu(call)
 
 
 _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (it imports torch)
@@ -79,18 +86,6 @@ def _load_torch_ops():
 
     _torch_ops = module
     return module
-
-
-def warmup(*args, **kwargs) -> None:
-    """Compile and load the kernels that ``causal_conv1d_fn(*args, **kwargs)`` would launch,
-    without launching them (call before capturing a CUDA graph). Takes the arguments of
-    ``causal_conv1d_fn``; CPU arrays need nothing."""
-    bound = inspect.signature(causal_conv1d_fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = _ForwardCall(**bound.arguments)
-    if call.conv.x.on_gpu:
-        for plan in call.plans():
-            get_kernel(plan.source, plan.name, call.device)
 
 
 class _ForwardCall:
@@ -137,7 +132,8 @@ class _ForwardCall:
         return launches
 
 
-def _forward_gpu(call: _ForwardCall):
+def _forward_gpu(call: _ForwardCall, fw=None, key=None):
+    """Launch the call's kernels; with a signature ``key``, leave its FastCall behind."""
     a = call.conv
     x = a.x
     batch, dim, seqlen = x.shape
@@ -148,11 +144,22 @@ def _forward_gpu(call: _ForwardCall):
         final = call.final_states_out or empty(x, shape, dense_strides(shape, (0, 2, 1)), x.dtype)
     stream = stream_of(x)
     seq_idx = a.seq_idx if seqlen > 0 else None  # no token, no segment id to read
-    for plan in call.plans(out):
-        args = forward_args(
-            plan, x, a.weight, a.bias, seq_idx, a.initial_states, out, final, a.width, call.silu
+    launches = [
+        (
+            plan,
+            forward_args(
+                plan, x, a.weight, a.bias, seq_idx, a.initial_states, out, final, a.width,
+                call.silu,
+            ),
         )
+        for plan in call.plans(out)
+    ]  # fmt: skip
+    for plan, args in launches:
         launch(plan, call.device, args, stream)
+    if key is not None and launches and (final is None or final.shape[2] > 0):
+        outputs = (_fast.output_spec(fw, out), final and _fast.output_spec(fw, final))
+        replay = Replay(launches, call.device, POINTERS, stream_ptr(stream))
+        _fast.store(key, _fast.FastCall(fw, call.device, replay, outputs))
     result_out = call.out.obj if call.out is not None else result(x, out)
     if final is None:
         return result_out

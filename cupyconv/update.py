@@ -1,13 +1,25 @@
-"""The decode update, ``causal_conv1d_update``. In this version it runs on CPU arrays, through
-the float64 reference; GPU arrays raise NotImplementedError."""
+"""The decode update, ``causal_conv1d_update``: GPU arrays launch ``conv_update``
+(``cupyconv/_update_plan.py``, ``kernels/update.cu``); CPU arrays run the float64 reference.
+
+A call: describe and check the arguments once (``_UpdateCall``), then either the reference,
+or: look the plan up, allocate out, pack the arguments, launch. Later calls with the same
+layout take the lean path (``cupyconv/_fast.py``).
+"""
 
 from __future__ import annotations
 
+from . import _fast, reference
 from . import _validate as v
-from . import reference
-from ._host import gpu_pending, host, new_host, write_host
+from ._arrays import empty, result, stream_of, stream_ptr, strides_like
+from ._host import host, new_host, write_host
+from ._launch import Replay, launch
+from ._update_plan import POINTERS, plan_update, update_args
 
 __all__ = ["causal_conv1d_update"]
+
+# Positions among the update's inputs (x, weight, bias, conv_state, cache_seqlens,
+# conv_state_indices): conv_state is written, so it must not share memory with the others.
+_GUARDS = ((3, 0), (3, 1), (3, 2), (3, 4), (3, 5))
 
 
 def causal_conv1d_update(
@@ -20,48 +32,109 @@ def causal_conv1d_update(
     conv_state_indices=None,
 ):
     """One decode step (or a few tokens) against a rolling state, updating ``conv_state`` in
-    place (CPU arrays in this version).
+    place.
 
     x:          [batch, dim] (one token) or [batch, dim, seqlen] (seqlen new tokens)
-    conv_state: [N, dim, state_len], state_len >= width - 1, any strides and float dtype;
-                N == batch unless conv_state_indices is given
-    weight:     [dim, width]; bias: [dim] or None
-    cache_seqlens: [batch] int32/int64 or None: circular mode (tokens already written)
+    conv_state: [N, dim, state_len], state_len >= width - 1, any strides and float dtype
+                (a float32 state with float16/bfloat16 x: computed in float32, stored in
+                float32); N == batch unless conv_state_indices is given
+    weight:     [dim, width], 1 <= width <= 256; bias: [dim] or None
+    activation: None, "silu" or "swish"
+    cache_seqlens: [batch] int32/int64 or None. None: sliding mode (conv_state holds the last
+                state_len inputs, oldest first, and afterwards the last state_len entries of
+                concat(conv_state, x)). Given: circular mode, cache_seqlens[b] tokens already
+                written; with p = cache_seqlens[b] mod state_len the width - 1 inputs before
+                token 0 are read at p - width + 1 .. p - 1 (mod state_len) and token i is
+                written at p + i (mod state_len), later tokens over earlier ones. The caller
+                advances cache_seqlens.
     conv_state_indices: [batch] int32/int64 or None: row b uses conv_state[indices[b]];
                 negative entries are padding rows (output 0, state untouched). Entries must
-                be below N and distinct (checked on CPU arrays; on GPU arrays, where reading
-                them would synchronise, only in ``cupyconv.debug()`` mode: there an entry
-                past the pool reads and writes outside conv_state, and repeated entries
-                leave the state of the row in question undefined)
-    Returns out with the shape and dtype of x.
+                be below N (checked on CPU arrays; on GPU arrays, where reading them would
+                synchronise, only in ``cupyconv.debug()`` mode: there an entry past the pool
+                reads and writes outside conv_state). Two batch rows with the same
+                non-negative entry are the caller's error: that state row's result is then
+                undefined (not checked, on any device).
+    Returns out with the shape and dtype of x, in x's framework; the kernel runs on the
+    caller's stream (torch's current stream for torch tensors).
     """
-    silu = v.check_activation(activation)
-    xa = v.array(x, "x", (2, 3))
-    batch, dim = xa.shape[:2]
-    state = v.array(conv_state, "conv_state", 3)
-    w, b, width = v.filter_args(weight, bias, dim)
-    lens = v.optional(cache_seqlens, "cache_seqlens", 1, kind="index")
-    v.shape(lens, "cache_seqlens", (batch,), "(batch,) of x")
-    idx = v.optional(conv_state_indices, "conv_state_indices", 1, kind="index")
-    v.shape(idx, "conv_state_indices", (batch,), "(batch,) of x")
-    n_rows = None if idx is not None else batch
-    rows = "batch = x.shape[0]" if idx is None else "pool size"
-    v.shape(state, "conv_state", (n_rows, dim, None), f"({rows}, dim = x.shape[1], state_len)")
-    if state.shape[2] < width - 1:
-        raise ValueError(
-            f"conv_state.shape[2] (state_len) must be at least width - 1 = {width - 1}; "
-            f"got {state.shape[2]}"
+    fw = _fast.framework(x)
+    key = None
+    if fw is not None and not v.debug_enabled():
+        inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)
+        key = _fast.signature(fw, inputs, "update", activation, written=conv_state)
+        fast = _fast.lookup(key)
+        if fast is not None:
+            made = fast(inputs, x)
+            if made is not None:
+                return made[0]
+    call = _UpdateCall(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    return _update_gpu(call, fw, key) if call.x.on_gpu else _update_cpu(call)
+
+
+class _UpdateCall:
+    """The arguments of one update call, described and checked once."""
+
+    __slots__ = ("x", "state", "weight", "bias", "lens", "idx", "width", "silu", "device")
+
+    def __init__(self, x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
+        self.silu = v.check_activation(activation)
+        self.x = xa = v.array(x, "x", (2, 3))
+        batch, dim = xa.shape[:2]
+        self.state = state = v.array(conv_state, "conv_state", 3)
+        self.weight, self.bias, self.width = w, b, width = v.filter_args(weight, bias, dim)
+        self.lens = lens = v.optional(cache_seqlens, "cache_seqlens", 1, kind="index")
+        v.shape(lens, "cache_seqlens", (batch,), "(batch,) of x")
+        self.idx = idx = v.optional(conv_state_indices, "conv_state_indices", 1, kind="index")
+        v.shape(idx, "conv_state_indices", (batch,), "(batch,) of x")
+        n_rows = None if idx is not None else batch
+        rows = "batch = x.shape[0]" if idx is None else "pool size"
+        v.shape(state, "conv_state", (n_rows, dim, None), f"({rows}, dim = x.shape[1], state_len)")
+        if state.shape[2] < width - 1:
+            raise ValueError(
+                f"conv_state.shape[2] (state_len) must be at least width - 1 = {width - 1}; "
+                f"got {state.shape[2]}"
+            )
+        others = (("weight", w), ("bias", b), ("cache_seqlens", lens), ("conv_state_indices", idx))
+        self.device = v.same_device((("x", xa), ("conv_state", state)) + others)
+        v.writable(state, "conv_state", (("x", xa),) + others)
+        v.state_indices_values(idx, state.shape[0])
+
+    def plan(self):
+        """The launch of this call, or None when there is nothing to compute."""
+        batch, dim = self.x.shape[:2]
+        seqlen = self.x.shape[2] if len(self.x.shape) == 3 else 1
+        if batch * dim * seqlen == 0:
+            return None
+        return plan_update(self.x.dtype_name, batch, dim, self.width)
+
+
+def _update_gpu(call: _UpdateCall, fw=None, key=None):
+    """Launch the update; with a signature ``key``, leave its FastCall behind."""
+    x = call.x
+    out = empty(x, x.shape, strides_like(x), x.dtype)
+    plan = call.plan()
+    if plan is not None:
+        args = update_args(
+            plan, x, call.weight, call.bias, call.state, call.lens, call.idx, out, call.silu
         )
-    others = (("weight", w), ("bias", b), ("cache_seqlens", lens), ("conv_state_indices", idx))
-    v.same_device((("x", xa), ("conv_state", state)) + others)
-    v.writable(state, "conv_state", (("x", xa),) + others)
-    v.state_indices_values(idx, state.shape[0])
-    if xa.on_gpu:
-        raise gpu_pending("causal_conv1d_update")
+        stream = stream_of(x)
+        launch(plan, call.device, args, stream)
+        if key is not None and _fast.may_repeat(fw, call.state):
+            inputs = (x, call.weight, call.bias, call.state, call.lens, call.idx)
+            spans = tuple(a and _fast.span(a) for a in inputs)
+            replay = Replay([(plan, args)], call.device, POINTERS, stream_ptr(stream))
+            outputs = (_fast.output_spec(fw, out),)
+            fast = _fast.FastCall(fw, call.device, replay, outputs, _GUARDS, spans)
+            _fast.store(key, fast)
+    return result(x, out)
+
+
+def _update_cpu(call: _UpdateCall):
     out64, state64 = reference.causal_conv1d_update(
-        host(xa), host(state), host(w), host(b), activation="silu" if silu else None,
-        cache_seqlens=host(lens), conv_state_indices=host(idx),
+        host(call.x), host(call.state), host(call.weight), host(call.bias),
+        activation="silu" if call.silu else None, cache_seqlens=host(call.lens),
+        conv_state_indices=host(call.idx),
     )  # fmt: skip
-    out = new_host(xa, out64)
-    write_host(state, state64)
+    out = new_host(call.x, out64)
+    write_host(call.state, state64)
     return out

@@ -3,13 +3,15 @@
 Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
 ``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles a
 representative set: every forward kernel family for every dtype, and every backward family for
-a 2-byte and the 8-byte dtype, for sm_90. The ``sweep`` marker (run by ``.ci/run``) compiles
+a 2-byte and the 8-byte dtype, and the update and varlen families, for sm_90. The ``sweep``
+marker (run by ``.ci/run``) compiles
 every instance the dispatchers can produce, several instances per NVRTC program and the programs
 in parallel processes: the forward's for sm_90; the backward's for bfloat16 and float64 (the
 narrowest and the widest vectors) as compute_90 PTX, NVRTC's whole front end and optimiser (all
 340 backward instances through ptxas as well would take the 2-core CI machine over its budget:
-about 15 minutes); every backward family of the other two dtypes at width 4 for sm_90; and for
-sm_80, every forward family and dtype and the bfloat16 backward.
+about 15 minutes); every backward family of the other two dtypes at width 4 for sm_90; every
+update instance of bfloat16 and float64 as PTX; and for sm_80, every forward family and dtype,
+the bfloat16 backward, the update of every dtype, and varlen.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cupyconv import _backward_plan, _forward_plan
+from cupyconv import _backward_plan, _forward_plan, _update_plan, _varlen_plan
 from cupyconv._backward_plan import all_backward_instances
 from cupyconv._compile import C_TYPES, compile_offline
 from cupyconv._forward_plan import all_forward_instances
+from cupyconv._update_plan import all_update_instances
+from cupyconv._varlen_plan import all_varlen_instances
 
-SOURCES = {**_forward_plan.SOURCES, **_backward_plan.SOURCES}
+SOURCES = {
+    **_forward_plan.SOURCES, **_backward_plan.SOURCES, **_update_plan.SOURCES,
+    **_varlen_plan.SOURCES,
+}  # fmt: skip
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings wheel")
 pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
@@ -85,6 +92,23 @@ def test_every_backward_family_compiles(dtype):
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
 
+def test_update_and_varlen_families_compile():
+    """conv_update with its window in registers (widths 1 and 4) and with a run-time width,
+    for a 2-byte and the 8-byte dtype; varlen_states for every dtype."""
+    for source, names in all_update_instances(("bfloat16", "float64"), (1, 4, 64)).items():
+        assert len(compile_offline(source, names, "sm_90")) > 1000
+    for source, names in all_varlen_instances().items():
+        assert len(compile_offline(source, names, "sm_90")) > 1000
+
+
+@pytest.mark.sweep
+def test_every_update_instance_compiles_to_ptx():
+    """Every width of bfloat16 and float64 (the other dtypes differ in their conversions only:
+    the sm_80 representatives below)."""
+    instances = all_update_instances(("bfloat16", "float64"))
+    assert compile_all(instances, "compute_90") == sum(len(n) for n in instances.values())
+
+
 @pytest.mark.sweep
 def test_every_forward_instance_compiles_for_sm_90():
     instances = all_forward_instances()
@@ -115,6 +139,8 @@ def test_representative_instances_compile(arch):
     """sm_80: the backward for one dtype (the architecture, not the types, is under test);
     compute_90: the forward only (the backward's PTX sweep above covers it)."""
     instances = representative(("bfloat16",) if arch == "sm_80" else ())
+    if arch == "sm_80":
+        instances |= all_update_instances(widths=(4, 64)) | all_varlen_instances()
     assert compile_all(instances, arch) == sum(len(n) for n in instances.values())
 
 

@@ -1,0 +1,98 @@
+"""The decode update's plan: the kernel instance, its launch shape and its parameters.
+
+Works on ``Array`` descriptions only. The kernel lives in ``kernels/update.cu``; its launch
+constants and parameter struct are generated from ``CONSTANTS``, ``FIELDS`` and ``UPDATE``
+below (as the forward's are, ``cupyconv/_forward_plan.py``).
+
+One thread per (batch row, channel), channels fastest; widths up to ``UPDATE_WINDOW`` keep the
+taps and a window of inputs in registers (width as a template argument), wider filters take
+the run-time width instance (``conv_update<T, 0>``).
+"""
+
+from __future__ import annotations
+
+from ._arrays import Array, remember
+from ._compile import C_TYPES
+from ._launch import (
+    MAX_GRID,
+    Kernel,
+    Launch,
+    ParamBlock,
+    bind_sources,
+    dtype_code,
+    fast_divisor,
+    pack,
+)
+
+CONSTANTS = {"UPDATE_WINDOW": 16}  # conv_update: widest filter with its window in registers
+UPDATE_THREADS = 128  # conv_update: threads per block
+POINTERS = 7
+
+#: The parameter fields of conv_update, after its seven pointers (x, weight, bias, conv_state,
+#: cache_seqlens, conv_state_indices, out; 0 when absent). 2-D x and out: seqlen 1, l strides 0.
+FIELDS = (
+    "batch", "dim", "seqlen", "width", "state_len",
+    "x_batch_stride", "x_c_stride", "x_l_stride",
+    "weight_c_stride", "weight_width_stride", "bias_stride",
+    "state_batch_stride", "state_c_stride", "state_l_stride",
+    "lens_stride", "idx_stride",
+    "out_batch_stride", "out_c_stride", "out_l_stride",
+    "weight_dtype", "bias_dtype", "state_dtype", "lens_dtype", "idx_dtype",
+    "silu_act",
+)  # fmt: skip
+UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", ("dim_divisor",))
+SOURCES = bind_sources(
+    (UPDATE,), "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE)", CONSTANTS, FIELDS
+)
+
+
+def update_name(dtype: str, width: int) -> str:
+    """The conv_update instance for x of ``dtype`` and filters of ``width``."""
+    k = width if width <= CONSTANTS["UPDATE_WINDOW"] else 0
+    return f"conv_update<{C_TYPES[dtype]}, {k}>"
+
+
+def all_update_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
+    """Every update template instance the plan can produce for these x dtypes and widths."""
+    names = {update_name(d, w) for d in dtypes for w in widths}
+    return {UPDATE.source: sorted(names)}
+
+
+_plans: dict[tuple, Launch] = {}
+
+
+def plan_update(x_dtype: str, batch: int, dim: int, width: int) -> Launch:
+    """The launch of an update of ``batch`` rows of ``dim`` channels (both > 0); memoised."""
+    key = (x_dtype, batch, dim, width)
+    plan = _plans.get(key)
+    if plan is None:
+        grid = max(1, min(-(-batch * dim // UPDATE_THREADS), MAX_GRID))
+        plan = UPDATE.launch(
+            update_name(x_dtype, width), grid, (UPDATE_THREADS, 1),
+            dim_divisor=fast_divisor(dim),
+        )  # fmt: skip
+        remember(_plans, key, plan)
+    return plan
+
+
+def _x3(a: Array) -> tuple[int, int, int]:
+    """Strides of x or out as [batch, dim, seqlen] (2-D: one token, time stride 0)."""
+    return a.strides if len(a.strides) == 3 else (*a.strides, 0)
+
+
+def update_args(
+    launch: Launch, x: Array, weight: Array, bias, conv_state: Array, cache_seqlens,
+    conv_state_indices, out: Array, silu: bool,
+) -> ParamBlock:  # fmt: skip
+    """The kernel arguments: the seven pointers, then FIELDS, then the plan's fields."""
+    b, lens, idx = bias, cache_seqlens, conv_state_indices
+    seqlen = x.shape[2] if len(x.shape) == 3 else 1
+    return pack((
+        x.ptr, weight.ptr, b.ptr if b else 0, conv_state.ptr, lens.ptr if lens else 0,
+        idx.ptr if idx else 0, out.ptr,
+        x.shape[0], x.shape[1], seqlen, weight.shape[1], conv_state.shape[2],
+        *_x3(x), *weight.strides, b.strides[0] if b else 0, *conv_state.strides,
+        lens.strides[0] if lens else 0, idx.strides[0] if idx else 0, *_x3(out),
+        dtype_code(weight), dtype_code(b), dtype_code(conv_state), dtype_code(lens),
+        dtype_code(idx), int(silu), *launch.plan_fields,
+    ))  # fmt: skip
