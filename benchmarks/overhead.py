@@ -1,16 +1,23 @@
-"""Host overhead of one cupyconv forward call (tiny problem, so the GPU is never the limit).
+"""Host time per call of every cupyconv operator, for every input framework, on problems small
+enough that the GPU is never the limit; the reference library beside it when importable.
 
-    python benchmarks/overhead.py [--profile]
+    python benchmarks/overhead.py [--calls N] [--json PATH] [--profile ROW]
 
-Prints microseconds per call for torch and CuPy inputs, measured on the host over many calls
-(the kernel is a few microseconds), and with --profile the hottest Python functions.
+Each row is the wall time per call over N back-to-back calls (after warm-up; the median of 5
+loops of N / 5 calls, each ending with one synchronisation): what a caller pays per call on the
+host. Problems: the forward and backward on
+(1, 256, 512), the update on (1, 5120) with a state of width - 1, the varlen states of 4 packed
+sequences of (512, 256); bfloat16, width 4, SiLU, bias. ``--profile ROW`` shows the hottest
+Python functions of that row.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,55 +26,139 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call_us(fn, calls=2000):
+def per_call_us(fn, sync, calls: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` loops of ``calls // repeats`` calls each (host noise on a shared
+    machine shows up as single slow loops)."""
     for _ in range(50):
         fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    sync()
+    n = max(1, calls // repeats)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(times)
+
+
+def _jax_forward(x, w, b):
+    """(fn, sync) of the forward on JAX GPU arrays, made when first timed."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupyconv
+
+    jx, jw, jb = (jnp.asarray(t.float().cpu().numpy(), dtype=jnp.bfloat16) for t in (x, w, b))
+    last = []
+
+    def jax_forward():
+        last[:] = [cupyconv.causal_conv1d_fn(jx, jw, jb, activation="silu")]
+
+    return jax_forward, lambda: jax.block_until_ready(last[0]) if last else None
+
+
+def rows_for(torch, cupy, jax_rows: bool, reference):
+    """{row name: (fn, sync)} for every operator and framework present."""
+    import cupyconv
+
+    bf16 = torch.bfloat16
+    dev = "cuda"
+    x = torch.randn(1, 256, 512, device=dev, dtype=bf16)
+    x_cl = torch.randn(1, 512, 256, device=dev, dtype=bf16).transpose(1, 2)
+    w = torch.randn(256, 4, device=dev, dtype=bf16)
+    b = torch.randn(256, device=dev, dtype=bf16)
+    dout = torch.randn_like(x)
+    ux = torch.randn(1, 5120, device=dev, dtype=bf16)
+    uw = torch.randn(5120, 4, device=dev, dtype=bf16)
+    ub = torch.randn(5120, device=dev, dtype=bf16)
+    state = torch.randn(1, 5120, 3, device=dev, dtype=bf16)
+    vx = torch.randn(512, 256, device=dev, dtype=bf16)
+    cu = torch.tensor([0, 100, 300, 301, 512], device=dev, dtype=torch.int32)
+    sync = torch.cuda.synchronize
+    fn, bwd = cupyconv.causal_conv1d_fn, cupyconv.causal_conv1d_bwd
+    update = cupyconv.causal_conv1d_update
+    varlen = cupyconv.causal_conv1d_varlen_states
+    rows = {
+        "torch silu (one torch kernel)": (lambda: torch.nn.functional.silu(x), sync),
+        "forward, torch": (lambda: fn(x, w, b, activation="silu"), sync),
+        "forward + final states, torch (cl)": (
+            lambda: fn(x_cl, w, b, return_final_states=True, activation="silu"),
+            sync,
+        ),
+        "backward, torch": (lambda: bwd(x, w, b, dout, activation="silu"), sync),
+        "update, torch": (lambda: update(ux, state, uw, ub, "silu"), sync),
+        "varlen states, torch": (lambda: varlen(vx, cu, 3), sync),
+    }
+    if reference is not None:
+        rfn, rupdate, rvarlen = reference
+        rows["forward, torch: causal_conv1d"] = (lambda: rfn(x, w, b, activation="silu"), sync)
+        rows["forward + final states (cl): causal_conv1d"] = (
+            lambda: rfn(x_cl, w, b, return_final_states=True, activation="silu"),
+            sync,
+        )
+        rows["update, torch: causal_conv1d"] = (lambda: rupdate(ux, state, uw, ub, "silu"), sync)
+        rows["varlen states, torch: causal_conv1d"] = (lambda: rvarlen(vx, cu, 3), sync)
+    if cupy is not None:
+        c = {k: cupy.from_dlpack(t) for k, t in dict(x=x, w=w, b=b, dout=dout, ux=ux, uw=uw,
+                                                     ub=ub, state=state).items()}  # fmt: skip
+        cs = cupy.cuda.get_current_stream().synchronize
+        rows["forward, CuPy"] = (lambda: fn(c["x"], c["w"], c["b"], activation="silu"), cs)
+        rows["backward, CuPy"] = (
+            lambda: bwd(c["x"], c["w"], c["b"], c["dout"], activation="silu"),
+            cs,
+        )
+        rows["update, CuPy"] = (lambda: update(c["ux"], c["state"], c["uw"], c["ub"], "silu"), cs)
+    if jax_rows:  # last: an initialised JAX runtime keeps threads busy beside the other rows
+        rows["forward, JAX (outside jit)"] = lambda: _jax_forward(x, w, b)  # made when timed
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", action="store_true", help="show the hottest functions")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", help="a row name (substring) to profile")
     args = parser.parse_args()
 
-    import cupy
     import torch
 
-    import cupyconv
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    import importlib.util
 
-    x = torch.randn(1, 64, 16, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(64, 4, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(64, device="cuda", dtype=torch.bfloat16)
-    xc, wc, bc = (cupy.from_dlpack(t) for t in (x, w, b))
+    jax_rows = importlib.util.find_spec("jax") is not None
+    try:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        from causal_conv1d.causal_conv1d_varlen import causal_conv1d_varlen_states
 
-    def torch_call():
-        return cupyconv.causal_conv1d_fn(x, w, b, activation="silu")
+        reference = (causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_states)
+    except ImportError:
+        reference = None
 
-    def cupy_call():
-        return cupyconv.causal_conv1d_fn(xc, wc, bc, activation="silu")
-
-    def torch_baseline():
-        return torch.nn.functional.silu(x)
-
-    rows = [
-        ("torch silu (one torch kernel)", torch_baseline),
-        ("cupyconv, torch inputs", torch_call),
-        ("cupyconv, CuPy inputs", cupy_call),
-    ]
-    for name, fn in rows:
-        us = per_call_us(fn)
-        torch.cuda.synchronize()
-        print(f"{name:32s} {us:8.1f} us/call")
+    rows = rows_for(torch, cupy, jax_rows, reference)
+    results = {}
+    print(f"{'row':46s} {'us/call':>8s}")
+    for name, entry in rows.items():
+        fn, sync = rows[name] = entry() if callable(entry) else entry
+        results[name] = per_call_us(fn, sync, args.calls)
+        print(f"{name:46s} {results[name]:8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"calls": args.calls, "us_per_call": results}, f, indent=1)
     if args.profile:
+        name = next(n for n in rows if args.profile in n)
+        fn, sync = rows[name]
         profile = cProfile.Profile()
         profile.enable()
-        for _ in range(2000):
-            torch_call()
+        for _ in range(args.calls):
+            fn()
         profile.disable()
-        torch.cuda.synchronize()
+        sync()
+        print(f"\nprofile of {name!r}")
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 

@@ -386,8 +386,21 @@ def stream_ptr(stream) -> int:
 
 
 def _torch_stream(device: int) -> int:
+    """torch's current stream on ``device``, as a raw handle."""
+    return (_current_raw_stream or _load_raw_stream())(device)
+
+
+_current_raw_stream = None  # torch's own accessor of the current stream's handle
+
+
+def _load_raw_stream():
+    global _current_raw_stream
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels use
-    if raw is not None:
-        return raw(device)
-    return torch.cuda.current_stream(device).cuda_stream
+    if raw is None:
+
+        def raw(device: int) -> int:
+            return torch.cuda.current_stream(device).cuda_stream
+
+    _current_raw_stream = raw
+    return raw

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import sys
 
-from ._arrays import remember
+from ._arrays import _torch_stream, remember, strides_like
 
 _calls: dict[tuple, FastCall] = {}
+_torch = None  # the torch module, set when a torch FastCall is made
 
 
 def lookup(key: tuple | None) -> FastCall | None:
@@ -58,14 +59,12 @@ class Torch:
 
     @staticmethod
     def empty(spec, like):
+        if spec is LIKE:
+            return _torch.empty_like(like)
         shape, strides, dtype = spec
-        return sys.modules["torch"].empty_strided(shape, strides, dtype=dtype, device=like.device)
+        return _torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
 
-    @staticmethod
-    def stream(device: int) -> int:
-        from ._arrays import _torch_stream
-
-        return _torch_stream(device)
+    stream = staticmethod(_torch_stream)
 
 
 class Cupy:
@@ -113,27 +112,41 @@ def framework(x):
     return None
 
 
-def signature(fw, arrays, *others, written=None) -> tuple | None:
+def signature(fw, arrays, *others, written=()) -> tuple | None:
     """The signature of a call with ``arrays`` (None for absent ones) and the other arguments
-    ``others``, and what decides whether the buffer ``written`` (one of the arrays, written in
+    ``others``, and what decides whether the buffers ``written`` (arrays the call writes in
     place) may be written; None where an array's attributes cannot be read this way."""
     sig = fw.signature
     try:
         key = (fw, *others, *[sig(a) for a in arrays])
-        return key if written is None else (*key, fw.written(written))
+        return (*key, *[fw.written(a) for a in written]) if written else key
     except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
 
 
-def may_repeat(fw, written) -> bool:
-    """Whether a call that wrote buffer ``written`` (an ``Array``) may leave a FastCall: not
-    for a torch inference tensor, writable only inside inference mode, which can change."""
-    return fw is not Torch or not written.obj.is_inference()
+def may_repeat(fw, *written) -> bool:
+    """Whether a call that wrote the buffers ``written`` (``Array``s, None for absent ones) may
+    leave a FastCall: not with a torch inference tensor among them, writable only inside
+    inference mode, which can change from call to call."""
+    return fw is not Torch or not any(a is not None and a.obj.is_inference() for a in written)
 
 
-def output_spec(fw, a) -> tuple:
+def written_guards(first: int, count: int) -> tuple:
+    """Guards for ``count`` written buffers at input positions ``first``, ``first + 1``, ...:
+    each against every input before it."""
+    return tuple((w, o) for w in range(first, first + count) for o in range(w))
+
+
+LIKE = "like"  # an output spec: the shape, dtype and memory order of the first input
+
+
+def output_spec(fw, a, like=None) -> tuple | str:
     """What ``fw.empty`` needs to allocate an array like the ``Array`` ``a`` made by the full
-    path: (shape, strides, dtype) in the framework's terms."""
+    path: (shape, strides, dtype) in the framework's terms, or LIKE when that is what the
+    framework's ``empty_like`` of ``like`` (the call's x) gives."""
+    if fw is Torch and like is not None and a.shape == like.shape and a.dtype == like.dtype:
+        if a.strides == strides_like(like):
+            return LIKE
     if fw is Torch:
         return (a.shape, a.strides, a.obj.dtype)
     return (a.shape, a.native.strides, a.native.dtype)
@@ -141,13 +154,16 @@ def output_spec(fw, a) -> tuple:
 
 class FastCall:
     """What a call signature needs per call: ``replay`` (the launches), ``outputs`` (specs of
-    the arrays it allocates, None for an output it does not make), ``guards`` (pairs of input
-    positions (written, other) whose byte ranges must not meet, with each input's range
-    relative to its address)."""
+    the arrays it allocates, None for an output it does not make; their pointers follow the
+    inputs'), ``guards`` (pairs of input positions (written, other) whose byte ranges must not
+    meet), ``spans`` (each input's byte range relative to its address, None when absent)."""
 
     __slots__ = ("fw", "device", "replay", "outputs", "guards", "spans")
 
     def __init__(self, fw, device, replay, outputs, guards=(), spans=()):
+        global _torch
+        if fw is Torch:
+            _torch = sys.modules["torch"]
         self.fw, self.device, self.replay = fw, device, replay
         self.outputs, self.guards, self.spans = outputs, guards, spans
 
@@ -156,16 +172,24 @@ class FastCall:
         returns the new outputs, or None where a guard failed (take the full path)."""
         fw = self.fw
         ptrs = [fw.ptr(a) for a in inputs]
-        for w, o in self.guards:
-            lo, hi = self.spans[w]
-            olo, ohi = self.spans[o]
-            if ptrs[o] and ptrs[w] + lo <= ptrs[o] + ohi and ptrs[o] + olo <= ptrs[w] + hi:
-                return None
+        if not self.clear(ptrs):
+            return None
         made = tuple(None if s is None else fw.empty(s, like) for s in self.outputs)
         for m in made:
             ptrs.append(0 if m is None else fw.ptr(m))
         self.replay.run(ptrs, fw.stream(self.device))
         return made
+
+    def clear(self, ptrs) -> bool:
+        """Whether the guards hold for the inputs at ``ptrs`` (addresses, 0 when absent)."""
+        spans = self.spans
+        for w, o in self.guards:
+            if ptrs[o]:
+                lo, hi = spans[w]
+                olo, ohi = spans[o]
+                if ptrs[w] + lo <= ptrs[o] + ohi and ptrs[o] + olo <= ptrs[w] + hi:
+                    return False
+        return True
 
 
 def span(a) -> tuple[int, int]:

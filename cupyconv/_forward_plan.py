@@ -14,6 +14,8 @@ are template arguments, written into the instance names by :func:`forward_kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES, Source
 from ._launch import (
@@ -58,7 +60,8 @@ WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 #: The parameter fields every forward kernel takes from the call, after its seven pointers
-#: (x, weight, bias, seq_idx, initial_states, out, final_states; 0 when absent).
+#: (x, weight, bias, seq_idx, initial_states, out, final_states; 0 when absent). The blocks of
+#: a launch past ``main_blocks`` write the final states (``with_final_states``).
 FIELDS = (
     "batch", "dim", "seqlen", "width",
     "x_batch_stride", "x_c_stride", "x_l_stride",
@@ -68,7 +71,7 @@ FIELDS = (
     "out_batch_stride", "out_c_stride", "out_l_stride",
     "final_batch_stride", "final_c_stride", "final_l_stride",
     "weight_dtype", "bias_dtype", "seq_dtype", "init_dtype",
-    "silu_act",
+    "silu_act", "main_blocks",
 )  # fmt: skip
 POINTERS = 7
 
@@ -310,15 +313,35 @@ def _plan_channel_wide(x, width, name, itemsize, device) -> Launch:
 
 
 def plan_final_states(x: Array, width: int) -> Launch:
-    """One thread per element of the final states; memoised per shape."""
+    """fwd_final_states alone (x without tokens): one thread per element; memoised per shape."""
     batch, dim, _ = x.shape
     key = (x.dtype_name, batch, dim, width)
     plan = _plans.get(key)
     if plan is None:
-        grid = min(-(-batch * dim * (width - 1) // GENERAL_THREADS), MAX_GRID)
+        grid = _final_blocks(batch * dim * (width - 1), GENERAL_THREADS, 0)
         name = f"fwd_final_states<{C_TYPES[x.dtype_name]}>"
         plan = remember(_plans, key, FINAL_STATES.launch(name, grid, (GENERAL_THREADS, 1)))
     return plan
+
+
+def with_final_states(plan: Launch, x: Array, width: int) -> Launch:
+    """``plan`` with blocks added past its own (``main_blocks`` = plan.grid) that write the
+    final states, one thread per element, grid-stride; memoised."""
+    batch, dim, _ = x.shape
+    key = (plan, batch, dim, width)
+    fused = _plans.get(key)
+    if fused is None:
+        threads = plan.block[0] * plan.block[1]
+        extra = _final_blocks(batch * dim * (width - 1), threads, plan.grid)
+        fused = remember(_plans, key, dataclasses.replace(plan, grid=plan.grid + extra))
+    return fused
+
+
+FINAL_BLOCKS = 1024  # most blocks writing final states (grid-stride beyond)
+
+
+def _final_blocks(elements: int, threads: int, main_blocks: int) -> int:
+    return max(1, min(-(-elements // threads), FINAL_BLOCKS, MAX_GRID - main_blocks))
 
 
 # ---- the typed argument builder --------------------------------------------------------------
@@ -327,10 +350,12 @@ _ZEROS = {n: (0,) * n for n in (1, 2, 3)}
 
 
 def forward_args(
-    launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu
-) -> ParamBlock:
+    launch: Launch, x, weight, bias, seq_idx, initial_states, out, final_states, width, silu,
+    main_blocks,
+) -> ParamBlock:  # fmt: skip
     """The kernel arguments: the pointers of x, weight, bias, seq_idx, initial_states, out and
-    final_states (0 when absent), then the kernel's struct: FIELDS, then the plan's fields."""
+    final_states (0 when absent), then the kernel's struct: FIELDS, then the plan's fields.
+    ``main_blocks``: the blocks of the launch before those that write the final states."""
     s, i, f = seq_idx, initial_states, final_states
     return pack((
         x.ptr, weight.ptr, bias.ptr if bias else 0, s.ptr if s else 0, i.ptr if i else 0,
@@ -339,5 +364,5 @@ def forward_args(
         *(bias.strides if bias else _ZEROS[1]), *(s.strides if s else _ZEROS[2]),
         *(i.strides if i else _ZEROS[3]), *out.strides, *(f.strides if f else _ZEROS[3]),
         dtype_code(weight), dtype_code(bias), dtype_code(seq_idx), dtype_code(initial_states),
-        int(silu), *launch.plan_fields,
+        int(silu), main_blocks, *launch.plan_fields,
     ))  # fmt: skip

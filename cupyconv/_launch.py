@@ -186,15 +186,31 @@ class Replay:
             for plan, params in launches
         )  # fmt: skip
 
-    def run(self, pointers: tuple[int, ...], stream_ptr: int) -> None:
+    def run(self, pointers, stream_ptr: int) -> None:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
-        import cupy
+        cupy = _cupy or _load_cupy()
+        if cupy.cuda.runtime.getDevice() != self.device:
+            with cupy.cuda.Device(self.device):
+                return self._run(cupy, pointers, stream_ptr)
+        return self._run(cupy, pointers, stream_ptr)
 
+    def _run(self, cupy, pointers, stream_ptr: int) -> None:
         offset = 8 * ParamBlock.HEADER
         with self.lock:
             for function, grid, block, smem, params in self.steps:
                 struct.pack_into(self.fmt, params.words, offset, *pointers)
-                _launch_on(cupy, self.device, function, grid, block, smem, stream_ptr, params.extra)
+                _launch(cupy, function, grid, block, smem, stream_ptr, params.extra, self.device)
+
+
+_cupy = None  # the cupy module, imported with the first Replay run
+
+
+def _load_cupy():
+    global _cupy
+    import cupy
+
+    _cupy = cupy
+    return cupy
 
 
 # ---- occupancy: how many blocks of a kernel the device holds at once ------------------------

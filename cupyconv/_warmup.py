@@ -43,7 +43,7 @@ def warmup(*args, **kwargs) -> None:
     if call.device == CPU:
         return
     if op is causal_conv1d_fn:
-        plans = call.plans()
+        plans = [plan for plan, _ in call.plans()]
     elif op is causal_conv1d_update:
         plans = [p for p in (call.plan(),) if p is not None]
     else:

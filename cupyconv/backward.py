@@ -146,7 +146,7 @@ def _backward_gpu(call: _BackwardCall, fw=None, key=None):
             launch(step, call.device, args, stream)
         if key is not None:
             outputs = tuple(
-                m and _fast.output_spec(fw, m)
+                m and _fast.output_spec(fw, m, x)
                 for m in (dx, dweight, dbias, dinit, partials, scratch)
             )
             replay = Replay(launches, call.device, POINTERS, stream_ptr(stream))

@@ -11,7 +11,13 @@ from __future__ import annotations
 from . import _fast, reference
 from . import _validate as v
 from ._arrays import Array, dense_strides, empty, result, stream_of, stream_ptr, strides_like
-from ._forward_plan import POINTERS, forward_args, plan_final_states, plan_forward
+from ._forward_plan import (
+    POINTERS,
+    forward_args,
+    plan_final_states,
+    plan_forward,
+    with_final_states,
+)
 from ._host import host, output
 from ._launch import Replay, launch
 
@@ -60,15 +66,21 @@ def causal_conv1d_fn(
             x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
             activation, out,
         )  # fmt: skip
-    key = None
-    if fw is not None and out is None and final_states_out is None:
-        inputs = (x, weight, bias, seq_idx, initial_states)
-        final = return_final_states if type(return_final_states) is bool else None
-        key = _fast.signature(fw, inputs, "fwd", activation, final)
-        fast = _fast.lookup(key)
-        if fast is not None:
-            made = fast(inputs, x)
-            return made if return_final_states else made[0]
+    if fw is None and type(x).__module__.startswith("jax") and out is None:
+        return _jax_eager(
+            x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+            activation,
+        )  # fmt: skip
+    key, inputs = lean_key(
+        fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+        activation, out,
+    )  # fmt: skip
+    fast = _fast.lookup(key)
+    if fast is not None:
+        made = fast(inputs, x)
+        if made is not None:
+            results = inputs + made  # the kernels' pointer order: ..., out, final_states
+            return (results[5], results[6]) if return_final_states else results[5]
     call = _ForwardCall(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
         activation, out,
@@ -77,6 +89,45 @@ def causal_conv1d_fn(
 
 
 _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (it imports torch)
+
+
+def lean_key(
+    fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+    activation, out,
+):  # fmt: skip
+    """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
+    arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
+    the call cannot take it."""
+    if fw is None or (final_states_out is not None and out is None):
+        return None, None
+    final = return_final_states if type(return_final_states) is bool else None
+    given = () if out is None else (out,)
+    if final and final_states_out is not None:
+        given += (final_states_out,)
+    inputs = (x, weight, bias, seq_idx, initial_states, *given)
+    return _fast.signature(fw, inputs, "fwd", activation, final, written=given), inputs
+
+
+def _jax_eager(
+    x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation
+):  # fmt: skip
+    """JAX arrays on a GPU (outside jit): cupyconv.jax's jitted function, which launches on
+    XLA's stream with XLA's buffers; other JAX arrays: the usual path."""
+    arrays = [a for a in (x, weight, bias, seq_idx, initial_states) if a is not None]
+    devices = getattr(x, "devices", None)
+    platforms = {d.platform for d in devices()} if devices is not None else ()
+    all_jax = all(type(a).__module__.startswith("jax") for a in arrays)
+    if platforms != {"gpu"} or final_states_out is not None or not all_jax:
+        call = _ForwardCall(
+            x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+            activation, None,
+        )  # fmt: skip
+        return _forward_gpu(call) if call.conv.x.on_gpu else _forward_cpu(call)
+    from . import jax as cupyconv_jax
+
+    return cupyconv_jax.eager(
+        x, weight, bias, seq_idx, initial_states, return_final_states, activation
+    )
 
 
 def _load_torch_ops():
@@ -115,21 +166,22 @@ class _ForwardCall:
         v.writable(final, "final_states_out", inputs + (("out", self.out),))
 
     def plans(self, out: Array | None = None) -> list:
-        """The launches of this call on the GPU (none for empty arrays), with ``out`` the output
-        written (default: a dense one like x)."""
+        """The launches of this call on the GPU as (Launch, main_blocks) pairs (none for empty
+        arrays), with ``out`` the output written (default: a dense one like x). With tokens,
+        the final states come from extra blocks of the main launch, else from a launch of
+        their own."""
         a = self.conv
         batch, dim, seqlen = a.x.shape
-        launches = []
-        if batch * dim * seqlen > 0:
-            target = out or self.out or a.x
-            has_seq = a.seq_idx is not None
-            plan = plan_forward(
-                a.x, target, a.weight, a.initial_states, a.width, has_seq, self.device
-            )
-            launches.append(plan)
-        if self.return_final_states and batch * dim * (a.width - 1) > 0:
-            launches.append(plan_final_states(a.x, a.width))
-        return launches
+        final = self.return_final_states and batch * dim * (a.width - 1) > 0
+        if batch * dim * seqlen == 0:
+            return [(plan_final_states(a.x, a.width), 0)] if final else []
+        target = out or self.out or a.x
+        has_seq = a.seq_idx is not None
+        plan = plan_forward(a.x, target, a.weight, a.initial_states, a.width, has_seq, self.device)
+        main_blocks = plan.grid
+        if final:
+            plan = with_final_states(plan, a.x, a.width)
+        return [(plan, main_blocks)]
 
 
 def _forward_gpu(call: _ForwardCall, fw=None, key=None):
@@ -149,17 +201,23 @@ def _forward_gpu(call: _ForwardCall, fw=None, key=None):
             plan,
             forward_args(
                 plan, x, a.weight, a.bias, seq_idx, a.initial_states, out, final, a.width,
-                call.silu,
+                call.silu, main_blocks,
             ),
         )
-        for plan in call.plans(out)
+        for plan, main_blocks in call.plans(out)
     ]  # fmt: skip
     for plan, args in launches:
         launch(plan, call.device, args, stream)
-    if key is not None and launches and (final is None or final.shape[2] > 0):
-        outputs = (_fast.output_spec(fw, out), final and _fast.output_spec(fw, final))
+    if key is not None and launches and _fast.may_repeat(fw, call.out, call.final_states_out):
+        given = [a for a in (call.out, call.final_states_out) if a is not None]
+        arrays = (x, a.weight, a.bias, a.seq_idx, a.initial_states, *given)
+        outputs = (_fast.output_spec(fw, out, x), final and _fast.output_spec(fw, final))
         replay = Replay(launches, call.device, POINTERS, stream_ptr(stream))
-        _fast.store(key, _fast.FastCall(fw, call.device, replay, outputs))
+        fast = _fast.FastCall(
+            fw, call.device, replay, outputs[len(given) :], _fast.written_guards(5, len(given)),
+            tuple(b and _fast.span(b) for b in arrays),
+        )  # fmt: skip
+        _fast.store(key, fast)
     result_out = call.out.obj if call.out is not None else result(x, out)
     if final is None:
         return result_out

@@ -59,9 +59,9 @@ def causal_conv1d_update(
     """
     fw = _fast.framework(x)
     key = None
-    if fw is not None and not v.debug_enabled():
+    if fw is not None and (conv_state_indices is None or not v.debug_enabled()):
         inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)
-        key = _fast.signature(fw, inputs, "update", activation, written=conv_state)
+        key = _fast.signature(fw, inputs, "update", activation, written=(conv_state,))
         fast = _fast.lookup(key)
         if fast is not None:
             made = fast(inputs, x)
@@ -123,7 +123,7 @@ def _update_gpu(call: _UpdateCall, fw=None, key=None):
             inputs = (x, call.weight, call.bias, call.state, call.lens, call.idx)
             spans = tuple(a and _fast.span(a) for a in inputs)
             replay = Replay([(plan, args)], call.device, POINTERS, stream_ptr(stream))
-            outputs = (_fast.output_spec(fw, out),)
+            outputs = (_fast.output_spec(fw, out, x),)
             fast = _fast.FastCall(fw, call.device, replay, outputs, _GUARDS, spans)
             _fast.store(key, fast)
     return result(x, out)

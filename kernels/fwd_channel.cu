@@ -22,6 +22,7 @@ __host__ __device__ constexpr int channel_warps_per_sm(int K, bool SEQ) { return
 template <typename T, int K, bool SEQ, int R, int BYTES>
 __global__ void __launch_bounds__(32 * CHANNEL_WARPS, channel_warps_per_sm(K, SEQ) / CHANNEL_WARPS)
     fwd_channel(FWD_ARRAYS, const __grid_constant__ FwdChannelParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
     // The parameters this kernel reads, as locals.
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WARPS, channel_warps_per_sm(K, SE
     const int64 steps_per_row = (seqlen + R - 1) / R;
     const int64 n_tiles = batch * steps_per_row * n_strips;
 
-    for (int64 g = grid_warp(); g < n_tiles; g += grid_warps()) {
+    for (int64 g = grid_warp(); g < n_tiles; g += main_warps(p)) {
         int64 bt, strip, b, step;
         divmod_fast(g, n_strips, strip_divisor, bt, strip);
         divmod_fast(bt, steps_per_row, step_divisor, b, step);

@@ -15,6 +15,7 @@
 template <typename T>
 __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
     fwd_channel_wide(FWD_ARRAYS, const __grid_constant__ FwdChannelWideParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, weight_c_stride = p.weight_c_stride,
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
@@ -32,7 +33,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int64 strips = (dim + CW - 1) / CW, chunks = (seqlen + TT - 1) / TT;
     const int64 n_tiles = batch * chunks * strips;
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
         int64 bc, strip, b, chunk;
         divmod(tile, strips, bc, strip);
         divmod(bc, chunks, b, chunk);

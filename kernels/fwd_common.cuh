@@ -27,3 +27,32 @@ __device__ __forceinline__ A finish(A acc, bool padding, int silu_act) {
     if (padding) return A(0);
     return silu_act ? silu(acc) : acc;
 }
+
+// Warps of the main blocks (the grid-stride step of the warp-per-item kernels).
+template <typename P>
+__device__ __forceinline__ int64 main_warps(const P& p) { return p.main_blocks * (int64)(blockDim.x / 32); }
+
+// final_states[b,c,j] = h(b, c, L-1, L-(K-1)+j), j < K-1, written by the blocks past the
+// main kernel's p.main_blocks: a call that asks for final_states launches them with its main
+// kernel (one launch for both), or alone (fwd_final_states, main_blocks 0) when x has no token.
+// Returns whether this block was one of them; every kernel starts with it.
+template <typename T, typename P>
+__device__ __forceinline__ bool final_states_blocks(const T* x, const void* seq_idx, const void* initial_states,
+                                                    T* final_states, const P& p) {
+    if (blockIdx.x < p.main_blocks) return false;
+    using A = typename AccOf<T>::type;
+    const int64 dim = p.dim, seqlen = p.seqlen, n_state = p.width - 1;
+    const int64 threads = blockDim.x * blockDim.y, total = p.batch * dim * n_state;
+    for (int64 i = (blockIdx.x - p.main_blocks) * threads + threadIdx.y * blockDim.x + threadIdx.x;
+         i < total; i += (gridDim.x - p.main_blocks) * threads) {
+        const int64 j = i % n_state, c = (i / n_state) % dim, b = i / (n_state * dim);
+        const int64 s = seqlen - n_state + j;
+        A v = input_at<A>(x, initial_states, p, b, c, s);
+        if (seq_idx) {
+            const int64 sid = segment_id(seq_idx, p, b, seqlen - 1);
+            if (sid < 0 || segment_id(seq_idx, p, b, s) != sid) v = A(0);
+        }
+        final_states[b * p.final_batch_stride + c * p.final_c_stride + j * p.final_l_stride] = from_acc<T>(v);
+    }
+    return true;
+}

@@ -2,7 +2,9 @@
 //
 //   fwd_general<T>       any strides, run-time width: a thread computes a run of GENERAL_RUN
 //                        consecutive outputs of one row.
-//   fwd_final_states<T>  final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j): one thread per element.
+//   fwd_final_states<T>  final_states[b,c,j] = h(b,c,L-1, L-(K-1)+j) when x has no token
+//                        (with tokens the main kernel's extra blocks write them:
+//                        final_states_blocks, fwd_common.cuh).
 // Both loop over their work grid-stride, so no grid dimension limits the shape; every offset
 // is 64-bit.
 #include "fwd_common.cuh"
@@ -18,10 +20,11 @@ __global__ void fwd_general(FWD_ARRAYS, const __grid_constant__ FwdGeneralParams
     const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
               silu_act = (int)p.silu_act, channels_fastest = (int)p.channels_fastest;
     constexpr int R = GENERAL_RUN;
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     const int64 n_runs = (seqlen + R - 1) / R;
     const int64 total = batch * dim * n_runs;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
-         i += (int64)gridDim.x * blockDim.x) {
+         i += p.main_blocks * (int64)blockDim.x) {
         int64 b, c, run;
         if (channels_fastest) {
             c = i % dim;
@@ -73,22 +76,8 @@ __global__ void fwd_general(FWD_ARRAYS, const __grid_constant__ FwdGeneralParams
     }
 }
 
-// fwd_final_states: final_states[b,c,j] = h(b, c, L-1, L-(K-1)+j), j < K-1.
+// fwd_final_states: the final states alone (x without tokens), main_blocks 0.
 template <typename T>
 __global__ void fwd_final_states(FWD_ARRAYS, const __grid_constant__ FwdFinalParams p) {
-    using A = typename AccOf<T>::type;
-    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, n_state = p.width - 1;
-    const int64 total = batch * dim * n_state;
-    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
-         i += (int64)gridDim.x * blockDim.x) {
-        const int64 j = i % n_state, c = (i / n_state) % dim, b = i / (n_state * dim);
-        const int64 s = seqlen - n_state + j;
-        A v = input_at<A>(x, initial_states, p, b, c, s);
-        if (seq_idx) {
-            const int64 sid = segment_id(seq_idx, p, b, seqlen - 1);
-            if (sid < 0 || segment_id(seq_idx, p, b, s) != sid) v = A(0);
-        }
-        final_states[b * p.final_batch_stride + c * p.final_c_stride + j * p.final_l_stride] =
-            from_acc<T>(v);
-    }
+    final_states_blocks(x, seq_idx, initial_states, final_states, p);
 }

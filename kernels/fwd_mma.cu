@@ -70,6 +70,7 @@ __device__ __noinline__ void own_taps(T* outputs, const T* window, const float* 
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
     unsigned* const obuf = reinterpret_cast<unsigned*>(stages + 2 * (WV + PW) + WPAD);  // pairs of T
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const int64 tiles_per_row = (seqlen + SPAN - 1) / SPAN;
-    const int64 n_tiles = batch * dim * tiles_per_row, n_warps = grid_warps();
+    const int64 n_tiles = batch * dim * tiles_per_row, n_warps = main_warps(p);
     // A tile as digits (b, c, sp): tile sp of row (b, c).
     const Digits stride = to_digits(n_warps, tiles_per_row, dim);
     Digits issued = to_digits(grid_warp(), tiles_per_row, dim), computed = issued;

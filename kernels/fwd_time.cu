@@ -27,6 +27,7 @@ __host__ __device__ constexpr int time_warps_per_sm(int K, bool SEQ, int NV, int
 template <typename T, int K, bool SEQ, int NV, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, time_warps_per_sm(K, SEQ, NV, sizeof(T)) / WARPS)
     fwd_time(FWD_ARRAYS, const __grid_constant__ FwdTimeParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_c_stride = p.x_c_stride, weight_c_stride = p.weight_c_stride,
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(32 * WARPS, time_warps_per_sm(K, SEQ, NV, size
         return res;
     };
 
-    for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
+    for (int64 g = grid_warp(); g < n_chunks; g += main_warps(p)) {
         int64 row, chunk, b, c;
         divmod_fast(g, chunks_per_row, chunk_divisor, row, chunk);
         divmod_fast(row, dim, dim_divisor, b, c);

@@ -53,6 +53,7 @@ __device__ __noinline__ A own_taps(const A* xs, const A* w, const int64* ids, in
 template <typename T, bool SEQ>
 __global__ void __launch_bounds__(TIME_WIDE_THREADS)
     fwd_time_wide(FWD_ARRAYS, const __grid_constant__ FwdTimeWideParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
     constexpr int N = TIME_WIDE_BYTES / sizeof(T);  // outputs per thread
     constexpr int CH = TIME_WIDE_CHUNK;             // taps per chunk
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(TIME_WIDE_THREADS)
     const int64 rows = batch * dim;
     const int64 n_chunks = (seqlen + tile_len - 1) / tile_len;
     const int64 n_tiles = (rows + blockDim.y - 1) / blockDim.y * n_chunks;
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
         int64 rg, chunk;
         divmod(tile, n_chunks, rg, chunk);
         const int64 row = rg * blockDim.y + ty;

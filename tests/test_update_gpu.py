@@ -207,7 +207,7 @@ def test_update_overlap_refused_after_lean_calls():
     for _ in range(2):
         cupyconv.causal_conv1d_update(torch.randn(2, 16, 1, device="cuda"), buf[:, :, 2:], w)
     with pytest.raises(ValueError, match="^conv_state must not share memory with x"):
-        cupyconv.causal_conv1d_update(buf[:, :, :1], buf[:, :, 2:], w)
+        cupyconv.causal_conv1d_update(buf[:, :, 2:3], buf[:, :, 2:], w)
 
 
 def test_update_cupy_inputs():
