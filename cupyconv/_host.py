@@ -55,4 +55,3 @@ def output(given: Array | None, like: Array, values: np.ndarray, order=None):
     """``values`` written into the caller's buffer ``given`` when there is one, else a new
     array like ``like`` (``new_host``)."""
     return write_host(given, values) if given is not None else new_host(like, values, order)
-
