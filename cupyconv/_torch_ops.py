@@ -355,10 +355,10 @@ def _operator_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, w
 
 
 def _eager_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
-    return _direct_backward(
-        x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act,
-        None, None, None,
-    )  # fmt: skip
+    """The public backward (its lean path for repeated layouts)."""
+    return backward.causal_conv1d_bwd(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act
+    )
 
 
 def _gradients(ctx, dout, dfinal_states, run_backward):
@@ -399,8 +399,9 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
-        res = _direct_forward(
-            x, weight, bias, seq_idx, initial_states, return_final_states, None, activation, None
+        # Grad mode is off in here: the public function takes its lean path (``_fast.py``).
+        res = forward.causal_conv1d_fn(
+            x, weight, bias, seq_idx, initial_states, return_final_states, None, activation
         )
         _setup_context(ctx, (x, weight, bias, seq_idx, initial_states, activation), res)
         return res
