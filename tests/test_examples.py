@@ -15,7 +15,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-EXPECTED = {"quickstart_numpy", "decode_update", "torch_forward", "cupy_forward", "jax_forward"}
+EXPECTED = {
+    "quickstart_numpy",  # the CPU path on numpy arrays
+    "decode_update",  # prefill, then token-by-token decode on numpy arrays
+    "torch_forward",  # CUDA torch tensors, channel-last, final states
+    "torch_mamba_block",  # a Mamba-style block trained with AdamW (CUDA, else CPU tensors)
+    "decode_graph",  # a state pool with a padding row, the update replayed from a CUDA graph
+    "cupy_forward",  # plain CuPy arrays and an output buffer
+    "jax_forward",  # JAX arrays on a GPU
+    "jax_train",  # jax.jit of jax.value_and_grad through cupyconv.jax
+    "compat_switch",  # causal_conv1d code switched over by cupyconv.compat.install()
+}
 
 
 def test_the_examples_are_there():
