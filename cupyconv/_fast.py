@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 
 from ._arrays import _torch_stream, remember, strides_like
+from ._overlap import byte_span
 
 _calls: dict[tuple, FastCall] = {}
 _torch = None  # the torch module, set when a torch FastCall is made
@@ -194,6 +195,5 @@ class FastCall:
 
 def span(a) -> tuple[int, int]:
     """The first and last byte of ``Array`` a relative to its address (a non-empty view)."""
-    lo = sum(s * (n - 1) for s, n in zip(a.byte_strides, a.shape) if s < 0)
-    hi = sum(s * (n - 1) for s, n in zip(a.byte_strides, a.shape) if s > 0)
-    return lo, hi + a.itemsize - 1
+    lo, hi = byte_span(a)
+    return lo - a.ptr, hi - a.ptr

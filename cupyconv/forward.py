@@ -114,8 +114,10 @@ def _jax_eager(
     """JAX arrays on a GPU (outside jit): cupyconv.jax's jitted function, which launches on
     XLA's stream with XLA's buffers; other JAX arrays: the usual path."""
     arrays = [a for a in (x, weight, bias, seq_idx, initial_states) if a is not None]
-    devices = getattr(x, "devices", None)
-    platforms = {d.platform for d in devices()} if devices is not None else ()
+    try:
+        platforms = {d.platform for d in x.devices()}
+    except Exception:  # noqa: BLE001 - a traced value or no JAX array: the usual path says so
+        platforms = set()
     all_jax = all(type(a).__module__.startswith("jax") for a in arrays)
     if platforms != {"gpu"} or final_states_out is not None or not all_jax:
         call = _ForwardCall(

@@ -690,3 +690,14 @@ def test_gpu_mixed_devices_are_refused(on_gpu):
     x = jax.device_put(jnp.zeros((2, 5, 7)), jax.devices("cpu")[0])
     with pytest.raises(ValueError, match=r"^all arrays must be on one device; got x on .*weight"):
         cj.causal_conv1d_fn(x, jax.device_put(jnp.zeros((5, 4)), on_gpu))
+
+
+def test_core_function_refuses_a_traced_value_by_name():
+    """``cupyconv.causal_conv1d_fn`` (not ``cupyconv.jax``) under ``jax.jit`` says what to call."""
+    import jax
+
+    import cupyconv
+
+    x, w = jnp.ones((1, 4, 8)), jnp.ones((4, 3))
+    with pytest.raises(TypeError, match=r"^x is a traced JAX value \(inside jax\.jit"):
+        jax.jit(lambda x: cupyconv.causal_conv1d_fn(x, w))(x)
