@@ -1,8 +1,8 @@
 """torch autograd and torch.compile support: custom operators over the direct path (imported
 when a torch tensor arrives; it imports torch).
 
-Five ``torch.library.custom_op`` operators in the ``cupyconv`` namespace; their bodies run the
-direct path of ``forward.py`` and ``backward.py``, which checks every argument:
+Six ``torch.library.custom_op`` operators in the ``cupyconv`` namespace; their bodies run the
+direct path of ``forward.py``, ``backward.py`` and ``update.py``, which checks every argument:
 
     causal_conv1d_fwd(x, weight, bias?, seq_idx?, initial_states?, activation?) -> out
     causal_conv1d_fwd_final_states(<the same>) -> (out, final_states)
@@ -19,6 +19,9 @@ direct path of ``forward.py`` and ``backward.py``, which checks every argument:
         the same written into output buffers (``!``: declared in ``mutates_args``); final_states
         and dinitial_states are computed when their buffer is given. They serve traced calls
         that pass buffers; the entries below allocate the buffers the caller did not pass.
+    causal_conv1d_update(x, conv_state!, weight, bias?, activation?, cache_seqlens?,
+                         conv_state_indices?) -> out
+        the decode update for traced calls (inference only); eager calls take the direct path.
 
 (torch takes an autograd formula only for an operator that writes none of its arguments, and
 functionalizes a writing operator only when it returns nothing or plain tensors; a list return
@@ -43,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import _validate as v
-from . import backward, forward
+from . import backward, forward, update
 from ._arrays import dense_strides, stride_order
 
 Tensor = torch.Tensor
@@ -300,7 +303,40 @@ def _bwd_into(
     )  # fmt: skip
 
 
+@torch.library.custom_op("cupyconv::causal_conv1d_update", mutates_args=("conv_state",))
+def _update(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cache_seqlens: Tensor | None,
+    conv_state_indices: Tensor | None,
+) -> Tensor:
+    """out, a new tensor; conv_state updated in place (inference only: no autograd)."""
+    call = update._UpdateCall(
+        x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices
+    )
+    return update._update_gpu(call) if call.x.on_gpu else update._update_cpu(call)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, indices):
+    """``cupyconv.causal_conv1d_update`` for traced calls: the operator."""
+    _torch_tensors(
+        (("conv_state", conv_state), ("weight", weight), ("bias", bias),
+         ("cache_seqlens", cache_seqlens), ("conv_state_indices", indices))
+    )  # fmt: skip
+    return torch.ops.cupyconv.causal_conv1d_update(
+        x, conv_state, weight, bias, activation, cache_seqlens, indices
+    )
+
+
 # ---- fake implementations: the allocations of the real ones ----------------------------------
+
+
+@_update.register_fake
+def _(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
+    return _new_like(x)
 
 
 @_fwd.register_fake

@@ -8,7 +8,7 @@ layout take the lean path (``cupyconv/_fast.py``).
 
 from __future__ import annotations
 
-from . import _fast, reference
+from . import _fast, forward, reference
 from . import _validate as v
 from ._arrays import empty, result, stream_of, stream_ptr, strides_like
 from ._host import host, new_host, write_host
@@ -58,6 +58,12 @@ def causal_conv1d_update(
     caller's stream (torch's current stream for torch tensors).
     """
     fw = _fast.framework(x)
+    if fw is _fast.Torch:
+        torch_ops = forward._torch_ops or forward._load_torch_ops()
+        if torch_ops.traced(x):  # torch.compile, torch.export: the operator
+            return torch_ops.causal_conv1d_update(
+                x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices
+            )
     key = None
     if fw is not None and (conv_state_indices is None or not v.debug_enabled()):
         inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)

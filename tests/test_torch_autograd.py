@@ -560,3 +560,57 @@ def test_compiled_backward_calls(compiler, buffers):
     assert_close(res[1], want[1], rtol=rtol, atol=atol, name="dweight")
     assert_close(res[2], want[2], rtol=rtol, atol=atol, name="dbias")
     assert_close(res[3], want[3], "float32", name="dinitial_states")
+
+
+# ---- the decode update under torch.compile ---------------------------------------------------
+
+
+def _update_args(device, circular: bool):
+    """One decode step on a pool of 5 states [5, dim, width] (channel-contiguous memory) with
+    a padding row, float32."""
+    rng = np.random.default_rng(21)
+    x = tensor(rounded(rng, (3, 8), "float32"), "float32", device)
+    pool = tensor(rounded(rng, (5, WIDTH, 8), "float32"), "float32", device).transpose(1, 2)
+    w = tensor(rounded(rng, (8, WIDTH), "float32"), "float32", device)
+    b = tensor(rounded(rng, (8,), "float32"), "float32", device)
+    lens = torch.tensor([3, 0, 7], dtype=torch.int32, device=device) if circular else None
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32, device=device)
+    return x, pool, w, b, "silu", lens, idx
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("circular", (False, True))
+def test_update_opcheck(device, circular):
+    """The update operator: schema (conv_state mutated), fake allocation, AOT dispatch."""
+    args = _update_args(device, circular)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    op = torch.ops.cupyconv.causal_conv1d_update.default
+    result = torch.library.opcheck(op, args, test_utils=checks)
+    assert result == dict.fromkeys(checks, "SUCCESS"), result
+
+
+@pytest.mark.parametrize("compiler", COMPILER_PARAMS)
+def test_compiled_decode_step_matches_eager(compiler):
+    """fullgraph=True: no graph break; the output and the updated pool as in eager mode and as
+    the float64 reference has them (the pool exactly)."""
+    device, options = COMPILERS[compiler]
+    for circular in (False, True):
+        x, pool, w, b, act, lens, idx = _update_args(device, circular)
+        before = pool.detach().cpu().double().numpy()
+        pool_eager = pool.clone()
+        want = cupyconv.causal_conv1d_update(x, pool_eager, w, b, act, lens, idx)
+
+        @torch.compile(fullgraph=True, **options)
+        def step(x, pool, w, b, lens, idx):
+            return cupyconv.causal_conv1d_update(x, pool, w, b, "silu", lens, idx) * 2
+
+        got = step(x, pool, w, b, lens, idx)
+        assert torch.equal(got, want * 2), f"{compiler}: compiled out differs from eager"
+        assert torch.equal(pool, pool_eager), f"{compiler}: compiled state differs from eager"
+        ref_out, ref_pool = reference.causal_conv1d_update(
+            x.cpu().double().numpy(), before, w.cpu().double().numpy(),
+            b.cpu().double().numpy(), act, None if lens is None else lens.cpu().numpy(),
+            idx.cpu().numpy(),
+        )  # fmt: skip
+        assert_close(got, 2 * ref_out, "float32")
+        assert np.array_equal(pool.cpu().double().numpy(), ref_pool), "the pool differs"
