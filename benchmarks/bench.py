@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -52,6 +51,9 @@ from pathlib import Path
 
 # Runs from any directory: the cupyconv of this checkout comes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The result records and their JSON file are the main command's (``python -m cupyconv bench``).
+from cupyconv._cli.bench import spread, write_json  # noqa: E402
 
 #: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
 #: check takes a spread of channels instead of all of them.
@@ -214,17 +216,6 @@ def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
     n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
     per_call_us = [loop_ms(n) * 1e3 / n for _ in range(repeats)]
     return spread(per_call_us, n)
-
-
-def spread(per_call_us: list[float], calls: int) -> dict:
-    """A timing result: median, min and max per-call microseconds over the repeated loops."""
-    return {
-        "us_median": statistics.median(per_call_us),
-        "us_min": min(per_call_us),
-        "us_max": max(per_call_us),
-        "calls": calls,
-        "repeats": len(per_call_us),
-    }
 
 
 def host_time_fn(fn, *, sync, repeats: int, target_ms: float, warmup: int = 3) -> dict:
@@ -543,12 +534,6 @@ def print_table(
             print()
         previous = row["case"]
         print(render(line))
-
-
-def write_json(path: str, rows: list[dict], meta: dict) -> None:
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        f.write("\n")
 
 
 def draw_png(

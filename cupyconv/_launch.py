@@ -117,8 +117,7 @@ _CUDA_ERROR_INVALID_CONTEXT = 201
 def launch(plan: Launch, device: int, params: ParamBlock, stream) -> None:
     """Launch ``plan`` with ``params`` on ``stream`` (an object with ``.ptr``, or None for
     CuPy's current stream) through the driver API."""
-    import cupy
-
+    cupy = _cupy or _load_cupy()
     stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
     function = loaded_kernel(plan, device, stream_ptr)
     _launch_on(cupy, device, function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra)
@@ -189,20 +188,14 @@ class Replay:
     def run(self, pointers, stream_ptr: int) -> None:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
         cupy = _cupy or _load_cupy()
-        if cupy.cuda.runtime.getDevice() != self.device:
-            with cupy.cuda.Device(self.device):
-                return self._run(cupy, pointers, stream_ptr)
-        return self._run(cupy, pointers, stream_ptr)
-
-    def _run(self, cupy, pointers, stream_ptr: int) -> None:
         offset = 8 * ParamBlock.HEADER
         with self.lock:
             for function, grid, block, smem, params in self.steps:
                 struct.pack_into(self.fmt, params.words, offset, *pointers)
-                _launch(cupy, function, grid, block, smem, stream_ptr, params.extra, self.device)
+                _launch_on(cupy, self.device, function, grid, block, smem, stream_ptr, params.extra)
 
 
-_cupy = None  # the cupy module, imported with the first Replay run
+_cupy = None  # the cupy module, imported with the first launch
 
 
 def _load_cupy():
