@@ -4,9 +4,10 @@ Works on ``Array`` descriptions only. The kernel lives in ``kernels/update.cu``;
 constants and parameter struct are generated from ``CONSTANTS``, ``FIELDS`` and ``UPDATE``
 below (as the forward's are, ``cupyconv/_forward_plan.py``).
 
-One thread per (batch row, channel), channels fastest; widths up to ``UPDATE_WINDOW`` keep the
-taps and a window of inputs in registers (width as a template argument), wider filters take
-the run-time width instance (``conv_update<T, 0>``).
+A block takes ``UPDATE_THREADS`` neighbouring channels of ``UPDATE_ROWS`` batch rows (a thread:
+one channel of those rows, channels fastest); widths up to ``UPDATE_WINDOW`` keep the taps and
+a window of inputs in registers (width as a template argument), wider filters take the run-time
+width instance (``conv_update<T, 0>``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from ._launch import (
     ParamBlock,
     bind_sources,
     dtype_code,
-    fast_divisor,
     pack,
 )
 
-CONSTANTS = {"UPDATE_WINDOW": 16}  # conv_update: widest filter with its window in registers
-UPDATE_THREADS = 128  # conv_update: threads per block
+CONSTANTS = {
+    "UPDATE_WINDOW": 16,  # conv_update: widest filter with its window in registers
+    "UPDATE_THREADS": 128,  # conv_update: threads per block, one channel each
+    "UPDATE_ROWS": 4,  # conv_update: batch rows per block
+}
 POINTERS = 7
 
 #: The parameter fields of conv_update, after its seven pointers (x, weight, bias, conv_state,
@@ -40,16 +43,25 @@ FIELDS = (
     "weight_dtype", "bias_dtype", "state_dtype", "lens_dtype", "idx_dtype",
     "silu_act",
 )  # fmt: skip
-UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", ("dim_divisor",))
+UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", ("channel_tiles",))
 SOURCES = bind_sources(
     (UPDATE,), "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE)", CONSTANTS, FIELDS
 )
 
 
-def update_name(dtype: str, width: int) -> str:
-    """The conv_update instance for x of ``dtype`` and filters of ``width``."""
-    k = width if width <= CONSTANTS["UPDATE_WINDOW"] else 0
+def update_name(dtype: str, width: int, fast: bool = True) -> str:
+    """The conv_update instance for x of ``dtype`` and filters of ``width``: the width-``width``
+    fast path where ``fast`` allows it, else the general one (``conv_update<T, 0>``)."""
+    k = width if fast and width <= CONSTANTS["UPDATE_WINDOW"] else 0
     return f"conv_update<{C_TYPES[dtype]}, {k}>"
+
+
+def takes_fast_path(x_dtype: str, state_dtype: str, width: int, state_len: int, circular: bool):
+    """Whether the width-templated path serves this update: a state of x's dtype, or float32
+    with x of at most 4 bytes (x exact in the state's dtype), and in sliding mode a state row
+    of ``width - 1`` entries (the window in registers is the new row)."""
+    exact = state_dtype == x_dtype or (state_dtype == "float32" and x_dtype != "float64")
+    return exact and (circular or state_len == width - 1)
 
 
 def all_update_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
@@ -61,15 +73,17 @@ def all_update_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
 _plans: dict[tuple, Launch] = {}
 
 
-def plan_update(x_dtype: str, batch: int, dim: int, width: int) -> Launch:
-    """The launch of an update of ``batch`` rows of ``dim`` channels (both > 0); memoised."""
-    key = (x_dtype, batch, dim, width)
+def plan_update(x_dtype: str, batch: int, dim: int, width: int, fast: bool) -> Launch:
+    """The launch of an update of ``batch`` rows of ``dim`` channels (both > 0), on the fast
+    path when ``fast`` (:func:`takes_fast_path`); memoised."""
+    key = (x_dtype, batch, dim, width, fast)
     plan = _plans.get(key)
     if plan is None:
-        grid = max(1, min(-(-batch * dim // UPDATE_THREADS), MAX_GRID))
+        threads, rows = CONSTANTS["UPDATE_THREADS"], CONSTANTS["UPDATE_ROWS"]
+        tiles = -(-dim // threads)
+        grid = min(tiles * -(-batch // rows), MAX_GRID)
         plan = UPDATE.launch(
-            update_name(x_dtype, width), grid, (UPDATE_THREADS, 1),
-            dim_divisor=fast_divisor(dim),
+            update_name(x_dtype, width, fast), grid, (threads, 1), channel_tiles=tiles
         )  # fmt: skip
         remember(_plans, key, plan)
     return plan

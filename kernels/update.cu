@@ -9,22 +9,32 @@
 // cache_seqlens[b] mod state_len, history j is at (p-(K-1)+j) mod state_len and token i is
 // written at (p+i) mod state_len. A negative r is a padding row: out 0, no state touched.
 //
-//   conv_update<T, K>  one thread per (batch row, channel), channels fastest: a warp's reads
-//                      and writes of x, out and a channel-contiguous state are coalesced (a
-//                      time-contiguous state row is read and written whole by one thread, and
-//                      a warp's rows are neighbours). K = 1..UPDATE_WINDOW: the taps and a
-//                      window of K inputs in registers; K = 0: any width, inputs re-read (L1).
+//   conv_update<T, K>  a block takes UPDATE_THREADS neighbouring channels of UPDATE_ROWS batch
+//                      rows; a thread takes one channel of those rows. Channels are fastest
+//                      across a warp, so its reads and writes of x, out and a channel-contiguous
+//                      state are coalesced (a time-contiguous state row is read and written
+//                      whole by one thread, and a warp's rows are neighbours).
+//                      K = 1..UPDATE_WINDOW: the fast path. The taps are read once for all the
+//                      thread's rows; the rows are taken a few at a time, every load of those
+//                      rows (indices, state, x) issued before the first is used: the update is
+//                      a few dependent round trips to memory, so their number sets its time.
+//                      The window of the last K inputs is held as stored in the state; in
+//                      sliding mode with state_len == K - 1 it is the new state row, written
+//                      back whole; circular mode reads K - 1 entries and writes the new tokens.
+//                      K = 0 (any width, longer sliding rows, other state dtypes): one row at a
+//                      time, inputs re-read (L1).
 //
 // Each thread first computes every output from the unchanged state, then writes its own state
-// row: rows never share a thread, so the in-place update needs no synchronisation (two batch
+// rows: rows never share a thread, so the in-place update needs no synchronisation (two batch
 // rows with the same conv_state_indices entry are the caller's error). The state has its own
 // dtype (a float32 state with bfloat16 x: computed in float32, stored in float32): history is
 // read and converted, state entries that move are copied bit for bit, and new tokens are
-// rounded once to the state's dtype.
+// rounded once to the state's dtype. The run-time dtypes of the taps, the bias and the state
+// are dispatched once per thread (with_dtype), never per element.
 //
-// The parameter struct UpdateParams and UPDATE_WINDOW come with the prelude cupyconv generates
-// from cupyconv/_update_plan.py: FIELDS (batch, dim, seqlen, width, state_len, the arrays'
-// strides in elements, their dtype codes, silu_act), then dim_divisor.
+// The parameter struct UpdateParams, UPDATE_WINDOW, UPDATE_THREADS and UPDATE_ROWS come with the
+// prelude cupyconv generates from cupyconv/_update_plan.py: FIELDS (batch, dim, seqlen, width,
+// state_len, the arrays' strides in elements, their dtype codes, silu_act), then channel_tiles.
 #include "common.cuh"
 
 // The element i of the float array p (dtype `code`) set to the value of v, rounded once.
@@ -51,6 +61,149 @@ __device__ __forceinline__ void copy_element(void* p, int code, int64 dst, int64
     }
 }
 
+// x token v in the state's dtype S, rounded once.
+template <typename S, typename T>
+__device__ __forceinline__ S rounded_to(T v) {
+    if constexpr (same_type<S, T>) {
+        return v;
+    } else if constexpr (same_type<S, double>) {
+        return (double)to_acc(v);
+    } else if constexpr (same_type<T, double>) {
+        if constexpr (same_type<S, float>) return (float)v;
+        else if constexpr (same_type<S, __half>) return __double2half(v);
+        else return __double2bfloat16(v);
+    } else {
+        return from_acc<S>(to_acc(v));  // exact in float: one rounding
+    }
+}
+
+// The dtype code of T.
+template <typename T>
+constexpr int code_of = same_type<T, float> ? F32 : same_type<T, __half> ? F16 : same_type<T, double> ? F64 : BF16;
+
+// v[i] = index array p (int32 or int64, `code`) at (first + i) * stride, for i < n: all the
+// loads issued before any is used.
+template <int N>
+__device__ __forceinline__ void load_indices(const void* p, int code, int64 first, int64 stride,
+                                             int n, int64 (&v)[N]) {
+    if (code == I32) {
+        int w[N];
+        #pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = i < n ? static_cast<const int*>(p)[(first + i) * stride] : 0;
+        #pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = w[i];
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = i < n ? static_cast<const int64*>(p)[(first + i) * stride] : 0;
+    }
+}
+
+// The general path: batch row b, channel c, any width, any state length, one row at a time.
+template <typename T, typename A>
+__device__ void update_row(const T* __restrict__ x, const void* __restrict__ weight, void* conv_state,
+                           int64 r, int64 head, T* __restrict__ orow, int64 b, int64 c, A bias_c,
+                           bool circular, const UpdateParams& p) {
+    const int64 seqlen = p.seqlen, state_len = p.state_len, sl = p.state_l_stride;
+    const int width = (int)p.width, state_dtype = (int)p.state_dtype;
+    const T* const xrow = x + b * p.x_batch_stride + c * p.x_c_stride;
+    const int64 srow = r * p.state_batch_stride + c * p.state_c_stride;
+    // Where history entry j (0 <= j < width - 1) sits in the state row: at start + j, wrapped.
+    int64 start = circular ? head - (width - 1) : state_len - (width - 1);
+    if (start < 0) start += state_len;
+    for (int64 t = 0; t < seqlen; ++t) {
+        A acc = bias_c;
+        for (int k = 0; k < width; ++k) {
+            const int64 s = t - (width - 1) + k;
+            A v;
+            if (s >= 0) {
+                v = A(to_acc(xrow[s * p.x_l_stride]));
+            } else {
+                int64 e = start + s + width - 1;
+                if (e >= state_len) e -= state_len;
+                v = load_as<A>(conv_state, state_dtype, srow + e * sl);
+            }
+            acc += load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) * v;
+        }
+        orow[t * p.out_l_stride] = from_acc<T>(p.silu_act ? silu(acc) : acc);
+    }
+    if (state_len == 0) return;
+    if (circular) {  // the last min(seqlen, state_len) tokens, in their slots
+        int64 t = seqlen > state_len ? seqlen - state_len : 0;
+        int64 s = (head + t) % state_len;
+        for (; t < seqlen; ++t) {
+            store_rounded<T>(conv_state, state_dtype, srow + s * sl, xrow[t * p.x_l_stride]);
+            if (++s == state_len) s = 0;
+        }
+    } else {  // slide left by seqlen: ascending, each entry is read before it is overwritten
+        for (int64 j = 0; j < state_len; ++j) {
+            const int64 from = j + seqlen;
+            if (from < state_len)
+                copy_element(conv_state, state_dtype, srow + j * sl, srow + from * sl);
+            else
+                store_rounded<T>(conv_state, state_dtype, srow + j * sl, xrow[(from - state_len) * p.x_l_stride]);
+        }
+    }
+}
+
+// The fast path for N rows b0 + i (i < n) of channel c, state dtype S (T, or float with
+// T of at most 4 bytes: x is exact in S): rows r[i] (negative: padding), circular heads
+// head[i], taps w, bias bias_c. The window holds the last K inputs as stored in S (history
+// entries bit for bit), so in sliding mode (state_len == K - 1) it is the new state row.
+template <int N, int K, typename T, typename S, typename A>
+__device__ __forceinline__ void update_rows(const T* __restrict__ x, S* conv_state, T* __restrict__ out,
+                                            const int64 (&r)[N], const int64 (&head)[N], int64 b0, int n,
+                                            int64 c, const A (&w)[K], A bias_c, bool circular,
+                                            const UpdateParams& p) {
+    const int64 state_len = p.state_len, sl = p.state_l_stride;
+    const int64 stored = p.seqlen > state_len ? p.seqlen - state_len : 0;  // circular: first token kept
+    bool live[N];     // a real row, not padding
+    int64 slot[N];    // circular: where the next kept token goes
+    S win[N][K];      // the inputs of the next output, oldest first; win[i][K-1] is set per token
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        live[i] = i < n && r[i] >= 0;
+        slot[i] = stored ? (head[i] + stored) % state_len : head[i];
+        const int64 srow = r[i] * p.state_batch_stride + c * p.state_c_stride;
+        int64 e = circular ? head[i] - (K - 1) : 0;  // where history entry 0 sits
+        if (e < 0) e += state_len;
+        #pragma unroll
+        for (int j = 0; j + 1 < K; ++j) {
+            win[i][j] = live[i] ? conv_state[srow + e * sl] : rounded_to<S>(0.0f);
+            if (++e == state_len) e = 0;
+        }
+    }
+    for (int64 t = 0; t < p.seqlen; ++t) {
+        T xt[N];
+        #pragma unroll
+        for (int i = 0; i < N; ++i)
+            xt[i] = i < n ? x[(b0 + i) * p.x_batch_stride + c * p.x_c_stride + t * p.x_l_stride] : from_acc<T>(A(0));
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (i >= n) continue;
+            win[i][K - 1] = rounded_to<S>(xt[i]);
+            A acc = bias_c;
+            #pragma unroll
+            for (int k = 0; k < K; ++k) acc += w[k] * A(to_acc(win[i][k]));
+            out[(b0 + i) * p.out_batch_stride + c * p.out_c_stride + t * p.out_l_stride] =
+                from_acc<T>(live[i] ? (p.silu_act ? silu(acc) : acc) : A(0));
+            if (circular && live[i] && state_len && t >= stored) {  // the last state_len tokens
+                conv_state[r[i] * p.state_batch_stride + c * p.state_c_stride + slot[i] * sl] = win[i][K - 1];
+                if (++slot[i] == state_len) slot[i] = 0;
+            }
+            #pragma unroll
+            for (int k = 0; k + 1 < K; ++k) win[i][k] = win[i][k + 1];
+        }
+    }
+    if (circular) return;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int64 srow = r[i] * p.state_batch_stride + c * p.state_c_stride;
+        #pragma unroll
+        for (int j = 0; j + 1 < K; ++j)
+            if (live[i]) conv_state[srow + j * sl] = win[i][j];
+    }
+}
+
 template <typename T, int K>
 __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ weight,
                             const void* __restrict__ bias, void* __restrict__ conv_state,
@@ -58,82 +211,65 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
                             const void* __restrict__ conv_state_indices, T* __restrict__ out,
                             const __grid_constant__ UpdateParams p) {
     using A = typename AccOf<T>::type;
-    const int64 dim = p.dim, seqlen = p.seqlen, state_len = p.state_len;
-    const int width = K ? K : (int)p.width, state_dtype = (int)p.state_dtype;
-    const int64 total = p.batch * dim;
-    for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;
-         i += (int64)gridDim.x * blockDim.x) {
-        int64 b, c;
-        divmod_fast(i, dim, p.dim_divisor, b, c);
-        T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride;
-        const int64 r = conv_state_indices
-                            ? load_index(conv_state_indices, (int)p.idx_dtype, b * p.idx_stride)
-                            : b;
-        if (r < 0) {  // padding row
-            for (int64 t = 0; t < seqlen; ++t) orow[t * p.out_l_stride] = from_acc<T>(A(0));
-            continue;
-        }
-        const T* const xrow = x + b * p.x_batch_stride + c * p.x_c_stride;
-        const int64 srow = r * p.state_batch_stride + c * p.state_c_stride, sl = p.state_l_stride;
-        // Where history entry j (0 <= j < K-1) sits in the state row: at start + j, wrapped.
-        int64 start = state_len - (width - 1), head = 0;
-        if (cache_seqlens) {
-            head = load_index(cache_seqlens, (int)p.lens_dtype, b * p.lens_stride) % state_len;
-            if (head < 0) head += state_len;
-            start = head - (width - 1);
-            if (start < 0) start += state_len;
-        }
-        auto history = [&](int j) {
-            int64 s = start + j;
-            if (s >= state_len) s -= state_len;
-            return load_as<A>(conv_state, state_dtype, srow + s * sl);
-        };
-        const A bias_c = bias ? load_as<A>(bias, (int)p.bias_dtype, c * p.bias_stride) : A(0);
-        auto weight_at = [&](int k) {
-            return load_as<A>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride);
-        };
-        auto finish = [&](A acc) { return from_acc<T>(p.silu_act ? silu(acc) : acc); };
-        if constexpr (K > 0) {
-            A w[K], win[K];
-            #pragma unroll
-            for (int k = 0; k < K; ++k) w[k] = weight_at(k);
-            #pragma unroll
-            for (int j = 0; j + 1 < K; ++j) win[j] = history(j);
-            for (int64 t = 0; t < seqlen; ++t) {
-                win[K - 1] = A(to_acc(xrow[t * p.x_l_stride]));
-                A acc = bias_c;
+    constexpr int ROWS = UPDATE_ROWS, N = K <= 4 ? 2 : 1;  // rows in flight at once
+    static_assert(ROWS % N == 0, "UPDATE_ROWS is a multiple of the rows in flight");
+    // A work item is UPDATE_THREADS channels of ROWS rows; fewer than 2^31 of them (x would
+    // have 2^40 elements), so the item arithmetic is 32-bit.
+    const int64 dim = p.dim, state_len = p.state_len;
+    const unsigned tiles = (unsigned)p.channel_tiles, items = tiles * (unsigned)((p.batch + ROWS - 1) / ROWS);
+    const bool circular = cache_seqlens != nullptr;
+    for (unsigned item = blockIdx.x; item < items; item += gridDim.x) {
+        const unsigned group = item / tiles;
+        const int64 c = (int64)(item - group * tiles) * UPDATE_THREADS + threadIdx.x;
+        if (c >= dim) continue;
+        const int64 b0 = (int64)group * ROWS;
+        const int rows = (int)min((int64)ROWS, p.batch - b0);
+        A bias_c = A(0);
+        if (bias) with_dtype(bias, (int)p.bias_dtype, [&](auto* bp) { bias_c = A(to_acc(bp[c * p.bias_stride])); });
+        if constexpr (K > 0) {  // the plan's choice: takes_fast_path
+            const int state_dtype = (int)p.state_dtype;
+            A w[K];
+            with_dtype(weight, (int)p.weight_dtype, [&](auto* wp) {
                 #pragma unroll
-                for (int k = 0; k < K; ++k) acc += w[k] * win[k];
-                orow[t * p.out_l_stride] = finish(acc);
-                #pragma unroll
-                for (int k = 0; k + 1 < K; ++k) win[k] = win[k + 1];
+                for (int k = 0; k < K; ++k) w[k] = A(to_acc(wp[c * p.weight_c_stride + k * p.weight_width_stride]));
+            });
+            for (int i0 = 0; i0 < rows; i0 += N) {
+                const int n = min(N, rows - i0);
+                int64 r[N], head[N];
+                if (conv_state_indices) {
+                    load_indices(conv_state_indices, (int)p.idx_dtype, b0 + i0, p.idx_stride, n, r);
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < N; ++i) r[i] = b0 + i0 + i;
+                }
+                if (circular) {
+                    load_indices(cache_seqlens, (int)p.lens_dtype, b0 + i0, p.lens_stride, n, head);
+                    #pragma unroll
+                    for (int i = 0; i < N; ++i) {
+                        head[i] = state_len ? head[i] % state_len : 0;
+                        if (head[i] < 0) head[i] += state_len;
+                    }
+                }
+                if (state_dtype == code_of<T>)
+                    update_rows<N, K>(x, static_cast<T*>(conv_state), out, r, head, b0 + i0, n, c, w, bias_c, circular, p);
+                else
+                    update_rows<N, K>(x, static_cast<float*>(conv_state), out, r, head, b0 + i0, n, c, w, bias_c, circular, p);
             }
         } else {
-            for (int64 t = 0; t < seqlen; ++t) {
-                A acc = bias_c;
-                for (int k = 0; k < width; ++k) {
-                    const int64 s = t - (width - 1) + k;
-                    const A v = s >= 0 ? A(to_acc(xrow[s * p.x_l_stride])) : history((int)(s + width - 1));
-                    acc += weight_at(k) * v;
+            for (int i = 0; i < rows; ++i) {
+                const int64 b = b0 + i;
+                T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride;
+                const int64 r = conv_state_indices ? load_index(conv_state_indices, (int)p.idx_dtype, b * p.idx_stride) : b;
+                if (r < 0) {  // padding row
+                    for (int64 t = 0; t < p.seqlen; ++t) orow[t * p.out_l_stride] = from_acc<T>(A(0));
+                    continue;
                 }
-                orow[t * p.out_l_stride] = finish(acc);
-            }
-        }
-        if (state_len == 0) continue;
-        if (cache_seqlens) {  // the last min(seqlen, state_len) tokens, in their slots
-            int64 t = seqlen > state_len ? seqlen - state_len : 0;
-            int64 s = (head + t) % state_len;
-            for (; t < seqlen; ++t) {
-                store_rounded<T>(conv_state, state_dtype, srow + s * sl, xrow[t * p.x_l_stride]);
-                if (++s == state_len) s = 0;
-            }
-        } else {  // slide left by seqlen: ascending, each entry is read before it is overwritten
-            for (int64 j = 0; j < state_len; ++j) {
-                const int64 from = j + seqlen;
-                if (from < state_len)
-                    copy_element(conv_state, state_dtype, srow + j * sl, srow + from * sl);
-                else
-                    store_rounded<T>(conv_state, state_dtype, srow + j * sl, xrow[(from - state_len) * p.x_l_stride]);
+                int64 head = 0;
+                if (circular && state_len) {
+                    head = load_index(cache_seqlens, (int)p.lens_dtype, b * p.lens_stride) % state_len;
+                    if (head < 0) head += state_len;
+                }
+                update_row(x, weight, conv_state, r, head, orow, b, c, bias_c, circular, p);
             }
         }
     }
