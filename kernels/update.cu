@@ -81,6 +81,14 @@ __device__ __forceinline__ S rounded_to(T v) {
 template <typename T>
 constexpr int code_of = same_type<T, float> ? F32 : same_type<T, __half> ? F16 : same_type<T, double> ? F64 : BF16;
 
+// a mod m in [0, m) (0 when m is 0); 32-bit arithmetic when both fit.
+__device__ __forceinline__ int64 mod_index(int64 a, int64 m) {
+    if (m == 0) return 0;
+    if (((a | m) >> 31) == 0) return (unsigned)a % (unsigned)m;
+    const int64 q = a % m;
+    return q < 0 ? q + m : q;
+}
+
 // v[i] = index array p (int32 or int64, `code`) at (first + i) * stride, for i < n: all the
 // loads issued before any is used.
 template <int N>
@@ -95,6 +103,39 @@ __device__ __forceinline__ void load_indices(const void* p, int code, int64 firs
     } else {
         #pragma unroll
         for (int i = 0; i < N; ++i) v[i] = i < n ? static_cast<const int64*>(p)[(first + i) * stride] : 0;
+    }
+}
+
+// The state rows r[i] of batch rows first + i (conv_state_indices, or the batch row itself)
+// and, with cache_seqlens (`lens`), the write positions head[i] = cache_seqlens mod state_len.
+// With int32 indices (the usual case) every load of both arrays is issued before any is used.
+template <int N>
+__device__ __forceinline__ void load_rows(const void* idx, const void* lens, const UpdateParams& p,
+                                          int64 first, int n, int64 (&r)[N], int64 (&head)[N]) {
+    if ((!idx || p.idx_dtype == I32) && (!lens || p.lens_dtype == I32)) {
+        int a[N], h[N];
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            a[i] = idx && i < n ? static_cast<const int*>(idx)[(first + i) * p.idx_stride] : 0;
+            h[i] = lens && i < n ? static_cast<const int*>(lens)[(first + i) * p.lens_stride] : 0;
+        }
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            r[i] = idx ? (int64)a[i] : first + i;
+            head[i] = h[i];
+        }
+    } else {
+        if (idx) {
+            load_indices(idx, (int)p.idx_dtype, first, p.idx_stride, n, r);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < N; ++i) r[i] = first + i;
+        }
+        if (lens) load_indices(lens, (int)p.lens_dtype, first, p.lens_stride, n, head);
+    }
+    if (lens) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) head[i] = mod_index(head[i], p.state_len);
     }
 }
 
@@ -129,7 +170,7 @@ __device__ void update_row(const T* __restrict__ x, const void* __restrict__ wei
     if (state_len == 0) return;
     if (circular) {  // the last min(seqlen, state_len) tokens, in their slots
         int64 t = seqlen > state_len ? seqlen - state_len : 0;
-        int64 s = (head + t) % state_len;
+        int64 s = mod_index(head + t, state_len);
         for (; t < seqlen; ++t) {
             store_rounded<T>(conv_state, state_dtype, srow + s * sl, xrow[t * p.x_l_stride]);
             if (++s == state_len) s = 0;
@@ -162,7 +203,7 @@ __device__ __forceinline__ void update_rows(const T* __restrict__ x, S* conv_sta
     #pragma unroll
     for (int i = 0; i < N; ++i) {
         live[i] = i < n && r[i] >= 0;
-        slot[i] = stored ? (head[i] + stored) % state_len : head[i];
+        slot[i] = stored ? mod_index(head[i] + stored, state_len) : head[i];
         const int64 srow = r[i] * p.state_batch_stride + c * p.state_c_stride;
         int64 e = circular ? head[i] - (K - 1) : 0;  // where history entry 0 sits
         if (e < 0) e += state_len;
@@ -236,20 +277,7 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
             for (int i0 = 0; i0 < rows; i0 += N) {
                 const int n = min(N, rows - i0);
                 int64 r[N], head[N];
-                if (conv_state_indices) {
-                    load_indices(conv_state_indices, (int)p.idx_dtype, b0 + i0, p.idx_stride, n, r);
-                } else {
-                    #pragma unroll
-                    for (int i = 0; i < N; ++i) r[i] = b0 + i0 + i;
-                }
-                if (circular) {
-                    load_indices(cache_seqlens, (int)p.lens_dtype, b0 + i0, p.lens_stride, n, head);
-                    #pragma unroll
-                    for (int i = 0; i < N; ++i) {
-                        head[i] = state_len ? head[i] % state_len : 0;
-                        if (head[i] < 0) head[i] += state_len;
-                    }
-                }
+                load_rows(conv_state_indices, cache_seqlens, p, b0 + i0, n, r, head);
                 if (state_dtype == code_of<T>)
                     update_rows<N, K>(x, static_cast<T*>(conv_state), out, r, head, b0 + i0, n, c, w, bias_c, circular, p);
                 else
@@ -264,12 +292,96 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
                     for (int64 t = 0; t < p.seqlen; ++t) orow[t * p.out_l_stride] = from_acc<T>(A(0));
                     continue;
                 }
-                int64 head = 0;
-                if (circular && state_len) {
-                    head = load_index(cache_seqlens, (int)p.lens_dtype, b * p.lens_stride) % state_len;
-                    if (head < 0) head += state_len;
-                }
+                const int64 head =
+                    circular ? mod_index(load_index(cache_seqlens, (int)p.lens_dtype, b * p.lens_stride), state_len) : 0;
                 update_row(x, weight, conv_state, r, head, orow, b, c, bias_c, circular, p);
+            }
+        }
+    }
+}
+
+// conv_update_dense<T, K>: the sliding-mode update of one token per row (2-D x, or L = 1) with
+// the state rows dense and of width - 1 entries ([N, dim, K - 1], channels and time contiguous)
+// and x, out, state rows 16-byte aligned (the plan checks: dense_fits). A thread takes V = 16 /
+// sizeof(T) neighbouring channels of UPDATE_ROWS rows: their K - 1 state entries each are K - 1
+// consecutive 16-byte vectors, their x and out one vector each, so a warp reads and writes
+// whole contiguous runs. Two rows are in flight at once. Same sums, in the same order, as
+// conv_update.
+template <typename T, int K>
+__global__ void conv_update_dense(const T* __restrict__ x, const void* __restrict__ weight,
+                                  const void* __restrict__ bias, void* __restrict__ conv_state,
+                                  const void* __restrict__ cache_seqlens,
+                                  const void* __restrict__ conv_state_indices, T* __restrict__ out,
+                                  const __grid_constant__ UpdateParams p) {
+    static_assert(K >= 2, "a state of width - 1 >= 1 entries");
+    using A = typename AccOf<T>::type;
+    using V16 = Vec<T>;
+    constexpr int V = V16::V, S = K - 1, ROWS = UPDATE_ROWS, N = 2;
+    static_assert(ROWS % N == 0, "UPDATE_ROWS is a multiple of the rows in flight");
+    using Raw = typename V16::Raw;
+    union Row { Raw raw[S]; T e[V * S]; };  // V channels' state entries, channel-major
+    const unsigned tiles = (unsigned)p.channel_tiles, items = tiles * (unsigned)((p.batch + ROWS - 1) / ROWS);
+    for (unsigned item = blockIdx.x; item < items; item += gridDim.x) {
+        const unsigned group = item / tiles;
+        const int64 c0 = ((int64)(item - group * tiles) * UPDATE_THREADS + threadIdx.x) * V;
+        if (c0 >= p.dim) continue;
+        const int64 b0 = (int64)group * ROWS;
+        const int rows = (int)min((int64)ROWS, p.batch - b0);
+        A w[V][K], bias_c[V];
+        with_dtype(weight, (int)p.weight_dtype, [&](auto* wp) {
+            #pragma unroll
+            for (int v = 0; v < V; ++v) {
+                #pragma unroll
+                for (int k = 0; k < K; ++k) w[v][k] = A(to_acc(wp[(c0 + v) * p.weight_c_stride + k * p.weight_width_stride]));
+            }
+        });
+        #pragma unroll
+        for (int v = 0; v < V; ++v) bias_c[v] = A(0);
+        if (bias)
+            with_dtype(bias, (int)p.bias_dtype, [&](auto* bp) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v) bias_c[v] = A(to_acc(bp[(c0 + v) * p.bias_stride]));
+            });
+        for (int i0 = 0; i0 < rows; i0 += N) {
+            const int n = min(N, rows - i0);
+            int64 r[N], unused[N];
+            load_rows(conv_state_indices, nullptr, p, b0 + i0, n, r, unused);
+            Row st[N];
+            V16 xv[N];
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if (i >= n) continue;
+                xv[i].raw = *reinterpret_cast<const Raw*>(x + (b0 + i0 + i) * p.x_batch_stride + c0);
+                if (r[i] < 0) continue;
+                const Raw* sp = reinterpret_cast<const Raw*>(static_cast<const T*>(conv_state) + r[i] * p.state_batch_stride + c0 * S);
+                #pragma unroll
+                for (int j = 0; j < S; ++j) st[i].raw[j] = sp[j];
+            }
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if (i >= n) continue;
+                V16 o;
+                const T* const e = st[i].e;
+                #pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    A acc = bias_c[v];
+                    #pragma unroll
+                    for (int k = 0; k < S; ++k) acc += w[v][k] * A(to_acc(e[v * S + k]));
+                    acc += w[v][S] * A(to_acc(xv[i].e[v]));
+                    o.e[v] = from_acc<T>(r[i] < 0 ? A(0) : p.silu_act ? silu(acc) : acc);
+                }
+                *reinterpret_cast<Raw*>(out + (b0 + i0 + i) * p.out_batch_stride + c0) = o.raw;
+                if (r[i] < 0) continue;
+                Row ns;  // each channel's entries move one step left; x enters last
+                #pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    #pragma unroll
+                    for (int k = 0; k + 1 < S; ++k) ns.e[v * S + k] = e[v * S + k + 1];
+                    ns.e[v * S + S - 1] = xv[i].e[v];
+                }
+                Raw* sp = reinterpret_cast<Raw*>(static_cast<T*>(conv_state) + r[i] * p.state_batch_stride + c0 * S);
+                #pragma unroll
+                for (int j = 0; j < S; ++j) sp[j] = ns.raw[j];
             }
         }
     }
