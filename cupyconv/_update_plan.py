@@ -28,6 +28,7 @@ CONSTANTS = {
     "UPDATE_WINDOW": 16,  # conv_update: widest filter with its window in registers
     "UPDATE_THREADS": 128,  # conv_update: threads per block, one channel each
     "UPDATE_ROWS": 4,  # conv_update: batch rows per block
+    "UPDATE_DENSE_ROWS": 1,  # conv_update_dense: batch rows per block
 }
 POINTERS = 7
 
@@ -108,12 +109,12 @@ def plan_update(x_dtype: str, batch: int, dim: int, width: int, path: str) -> La
     key = (x_dtype, batch, dim, width, path)
     plan = _plans.get(key)
     if plan is None:
-        threads, rows = CONSTANTS["UPDATE_THREADS"], CONSTANTS["UPDATE_ROWS"]
+        threads = CONSTANTS["UPDATE_THREADS"]
         if path == "dense":
-            per_thread = VECTOR_BYTES // ITEMSIZE[x_dtype]
+            per_thread, rows = VECTOR_BYTES // ITEMSIZE[x_dtype], CONSTANTS["UPDATE_DENSE_ROWS"]
             kernel, name = DENSE, dense_name(x_dtype, width)
         else:
-            per_thread = 1
+            per_thread, rows = 1, CONSTANTS["UPDATE_ROWS"]
             kernel, name = UPDATE, update_name(x_dtype, width, path == "fast")
         tiles = -(-dim // (threads * per_thread))
         grid = min(tiles * -(-batch // rows), MAX_GRID)

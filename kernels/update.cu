@@ -303,9 +303,9 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
 // conv_update_dense<T, K>: the sliding-mode update of one token per row (2-D x, or L = 1) with
 // the state rows dense and of width - 1 entries ([N, dim, K - 1], channels and time contiguous)
 // and x, out, state rows 16-byte aligned (the plan checks: dense_fits). A thread takes V = 16 /
-// sizeof(T) neighbouring channels of UPDATE_ROWS rows: their K - 1 state entries each are K - 1
-// consecutive 16-byte vectors, their x and out one vector each, so a warp reads and writes
-// whole contiguous runs. Two rows are in flight at once. Same sums, in the same order, as
+// sizeof(T) neighbouring channels of UPDATE_DENSE_ROWS rows: their K - 1 state entries each
+// are K - 1 consecutive 16-byte vectors, their x and out one vector each, so a warp reads and
+// writes whole contiguous runs. Up to two rows are in flight at once. Same sums, in the same order, as
 // conv_update.
 template <typename T, int K>
 __global__ void conv_update_dense(const T* __restrict__ x, const void* __restrict__ weight,
@@ -316,8 +316,8 @@ __global__ void conv_update_dense(const T* __restrict__ x, const void* __restric
     static_assert(K >= 2, "a state of width - 1 >= 1 entries");
     using A = typename AccOf<T>::type;
     using V16 = Vec<T>;
-    constexpr int V = V16::V, S = K - 1, ROWS = UPDATE_ROWS, N = 2;
-    static_assert(ROWS % N == 0, "UPDATE_ROWS is a multiple of the rows in flight");
+    constexpr int V = V16::V, S = K - 1, ROWS = UPDATE_DENSE_ROWS, N = ROWS < 2 ? ROWS : 2;
+    static_assert(ROWS % N == 0, "UPDATE_DENSE_ROWS is a multiple of the rows in flight");
     using Raw = typename V16::Raw;
     union Row { Raw raw[S]; T e[V * S]; };  // V channels' state entries, channel-major
     const unsigned tiles = (unsigned)p.channel_tiles, items = tiles * (unsigned)((p.batch + ROWS - 1) / ROWS);
