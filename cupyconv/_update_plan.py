@@ -28,7 +28,6 @@ CONSTANTS = {
     "UPDATE_WINDOW": 16,  # conv_update: widest filter with its window in registers
     "UPDATE_THREADS": 128,  # conv_update: threads per block, one channel each
     "UPDATE_ROWS": 4,  # conv_update: batch rows per block
-    "UPDATE_DENSE_ROWS": 1,  # conv_update_dense: batch rows per block
 }
 POINTERS = 7
 
@@ -45,12 +44,9 @@ FIELDS = (
     "silu_act",
 )  # fmt: skip
 UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", ("channel_tiles",))
-DENSE = Kernel("conv_update_dense", "update.cu", "UpdateParams", ("channel_tiles",))
-ORIGIN = "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE, DENSE)"
-SOURCES = bind_sources((UPDATE, DENSE), ORIGIN, CONSTANTS, FIELDS)
-VECTOR_BYTES = 16  # conv_update_dense: every access of x, out and the state
-DENSE_TAPS = 32  # conv_update_dense: most taps per thread (channels per vector * width)
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+SOURCES = bind_sources(
+    (UPDATE,), "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE)", CONSTANTS, FIELDS
+)
 
 
 def update_name(dtype: str, width: int, fast: bool = True) -> str:
@@ -68,57 +64,27 @@ def takes_fast_path(x_dtype: str, state_dtype: str, width: int, state_len: int, 
     return exact and (circular or state_len == width - 1)
 
 
-def dense_fits(x: Array, state: Array, width: int, circular: bool) -> bool:
-    """Whether conv_update_dense serves this update: sliding mode, one token (2-D x or L = 1),
-    at most DENSE_TAPS taps per thread, x of channel stride 1, the state of x's dtype with
-    dense rows of ``width - 1`` entries, and every row of x and the state (and of out,
-    allocated like x) 16-byte aligned."""
-    vector = VECTOR_BYTES // x.itemsize
-    xs, ss = x.strides, state.strides
-    return (
-        not circular and 2 <= width and vector * width <= DENSE_TAPS
-        and (len(x.shape) == 2 or x.shape[2] == 1) and xs[1] == 1
-        and x.shape[1] % vector == 0 and xs[0] % vector == 0 and x.ptr % VECTOR_BYTES == 0
-        and state.dtype_name == x.dtype_name and state.shape[2] == width - 1
-        and ss[2] == 1 and ss[1] == width - 1 and ss[0] % vector == 0
-        and state.ptr % VECTOR_BYTES == 0
-    )  # fmt: skip
-
-
-def dense_name(dtype: str, width: int) -> str:
-    return f"conv_update_dense<{C_TYPES[dtype]}, {width}>"
-
-
 def all_update_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     """Every update template instance the plan can produce for these x dtypes and widths."""
     names = {update_name(d, w) for d in dtypes for w in widths}
     names |= {update_name(d, w, False) for d in dtypes for w in widths}
-    names |= {
-        dense_name(d, w) for d in dtypes for w in widths
-        if 2 <= w and VECTOR_BYTES // ITEMSIZE[d] * w <= DENSE_TAPS
-    }  # fmt: skip
     return {UPDATE.source: sorted(names)}
 
 
 _plans: dict[tuple, Launch] = {}
 
 
-def plan_update(x_dtype: str, batch: int, dim: int, width: int, path: str) -> Launch:
-    """The launch of an update of ``batch`` rows of ``dim`` channels (both > 0) on ``path``:
-    "dense" (:func:`dense_fits`), "fast" (:func:`takes_fast_path`) or "general"; memoised."""
-    key = (x_dtype, batch, dim, width, path)
+def plan_update(x_dtype: str, batch: int, dim: int, width: int, fast: bool) -> Launch:
+    """The launch of an update of ``batch`` rows of ``dim`` channels (both > 0), on the fast
+    path when ``fast`` (:func:`takes_fast_path`); memoised."""
+    key = (x_dtype, batch, dim, width, fast)
     plan = _plans.get(key)
     if plan is None:
-        threads = CONSTANTS["UPDATE_THREADS"]
-        if path == "dense":
-            per_thread, rows = VECTOR_BYTES // ITEMSIZE[x_dtype], CONSTANTS["UPDATE_DENSE_ROWS"]
-            kernel, name = DENSE, dense_name(x_dtype, width)
-        else:
-            per_thread, rows = 1, CONSTANTS["UPDATE_ROWS"]
-            kernel, name = UPDATE, update_name(x_dtype, width, path == "fast")
-        tiles = -(-dim // (threads * per_thread))
+        threads, rows = CONSTANTS["UPDATE_THREADS"], CONSTANTS["UPDATE_ROWS"]
+        tiles = -(-dim // threads)
         grid = min(tiles * -(-batch // rows), MAX_GRID)
-        plan = kernel.launch(name, grid, (threads, 1), channel_tiles=tiles)
+        name = update_name(x_dtype, width, fast)
+        plan = UPDATE.launch(name, grid, (threads, 1), channel_tiles=tiles)
         remember(_plans, key, plan)
     return plan
 

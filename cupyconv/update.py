@@ -13,7 +13,7 @@ from . import _validate as v
 from ._arrays import empty, result, stream_of, stream_ptr, strides_like
 from ._host import host, new_host, write_host
 from ._launch import Replay, launch
-from ._update_plan import POINTERS, dense_fits, plan_update, takes_fast_path, update_args
+from ._update_plan import POINTERS, plan_update, takes_fast_path, update_args
 
 __all__ = ["causal_conv1d_update"]
 
@@ -111,14 +111,9 @@ class _UpdateCall:
         seqlen = self.x.shape[2] if len(self.x.shape) == 3 else 1
         if batch * dim * seqlen == 0:
             return None
-        x, state, width, circular = self.x, self.state, self.width, self.lens is not None
-        if dense_fits(x, state, width, circular):
-            path = "dense"
-        elif takes_fast_path(x.dtype_name, state.dtype_name, width, state.shape[2], circular):
-            path = "fast"
-        else:
-            path = "general"
-        return plan_update(x.dtype_name, batch, dim, width, path)
+        x, state, circular = self.x, self.state, self.lens is not None
+        fast = takes_fast_path(x.dtype_name, state.dtype_name, self.width, state.shape[2], circular)
+        return plan_update(x.dtype_name, batch, dim, self.width, fast)
 
 
 def _update_gpu(call: _UpdateCall, fw=None, key=None):

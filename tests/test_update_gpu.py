@@ -138,37 +138,6 @@ def test_update_bias_activation(bias, silu):
     run_update(2, 64, 4, 4, 3, bias=bias, silu=silu, circular=True, seed=3)
 
 
-def _plan_of(*args):
-    from cupyconv.update import _UpdateCall
-
-    return _UpdateCall(*args).plan().name
-
-
-DENSE = [
-    (d, w) for d in DTYPES + ("float64",) for w in range(2, 17)
-    if 16 // np.dtype(np_dtype(d)).itemsize * w <= 32
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype, width", DENSE)
-def test_update_dense_rows(dtype, width):
-    """The vectorised path (dense [N, dim, width - 1] state rows of x's dtype, one token,
-    16-byte aligned rows): 2-D and 3-D x, pools with padding rows, int32 and int64 indices;
-    a state that is not 16-byte aligned takes the per-channel path (tested by the matrix)."""
-    import torch
-
-    for seqlen, pool, silu, index_dtype in ((None, 0, True, "int32"), (1, 4, False, "int64")):
-        run_update(6, 136, seqlen, width, width - 1, dtype, pool=pool, silu=silu,
-                   index_dtype=index_dtype, seed=width)  # fmt: skip
-    x = torch.zeros(2, 136, device="cuda", dtype=torch_dtype(dtype))
-    w = torch.zeros(136, width, device="cuda", dtype=x.dtype)
-    state = torch.zeros(2, 136, width - 1, device="cuda", dtype=x.dtype)
-    assert _plan_of(x, state, w, None, None, None, None).startswith("conv_update_dense<")
-    skewed = torch.zeros(2 * 136 * (width - 1) + 1, device="cuda", dtype=x.dtype)
-    skewed = skewed[1:].view(2, 136, width - 1)
-    assert not _plan_of(x, skewed, w, None, None, None, None).startswith("conv_update_dense<")
-
-
 def test_update_circular_wraps_many_times():
     """seqlen > state_len: later tokens overwrite earlier ones in order; large cache_seqlens
     (int64, past 2**31)."""
