@@ -276,7 +276,7 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
             });
             for (int i0 = 0; i0 < rows; i0 += N) {
                 const int n = min(N, rows - i0);
-                int64 r[N], head[N];
+                int64 r[N], head[N] = {};  // head: circular mode only
                 if (circular) {
                     load_rows(conv_state_indices, cache_seqlens, p, b0 + i0, n, r, head);
                 } else if (conv_state_indices) {  // (measured: faster here than load_rows)
