@@ -72,7 +72,7 @@ def test_default_command_without_gpu():
     assert "check on the CPU path (numpy arrays): all 72 match the float64 reference" in out
     if not nvrtc_missing():
         assert "compile check: 12 forward kernel instances compile with NVRTC" in out
-        assert "10 backward, update and varlen instances for sm_90" in out
+        assert "11 backward, update and varlen instances for sm_90" in out
     assert "bench: no GPU (" in out and "nothing to time (6 cases skipped)" in out
     assert out.rstrip().endswith("ok")
 
@@ -438,3 +438,24 @@ def test_chart_without_matplotlib(tmp_path, monkeypatch):
     path = tmp_path / "chart.png"
     message = bench.draw_chart(str(path), timed_rows(), {"cupyconv": "0", "device": "stand-in"})
     assert message.startswith("chart skipped: --png needs matplotlib") and not path.exists()
+
+
+def test_default_run_draws_its_chart_on_a_gpu_only(monkeypatch, capsys):
+    """The command-less run asks the quick bench for its chart in ./cupyconv-bench.png on a
+    GPU, and for none without one (nothing is timed there; no file is left behind)."""
+    from cupyconv import _cli
+
+    asked = []
+
+    def bench_command(args, gpu, reason):
+        asked.append((args.quick, args.png))
+        return 0
+
+    monkeypatch.setattr(_cli.env, "report", lambda gpu, reason: None)
+    monkeypatch.setattr(_cli.check, "command", lambda args, gpu, reason: 0)
+    monkeypatch.setattr(_cli.bench, "command", bench_command)
+    parser = _cli.build_parser()
+    assert _cli.run_all(parser, None, "no CUDA device") == 0
+    assert _cli.run_all(parser, object(), "") == 0
+    assert asked == [(True, None), (True, "cupyconv-bench.png")]
+    assert capsys.readouterr().out.splitlines()[-1] == "ok"

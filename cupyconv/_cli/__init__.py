@@ -15,7 +15,8 @@ Commands:
 - ``warmup``: compile ahead of time the kernels a model with given shapes will need (without a
   GPU: compile the same instances offline with NVRTC).
 
-Without a command: ``info``, ``check`` and a quick ``bench``. Without a GPU every command says
+Without a command: ``info``, ``check`` and a quick ``bench`` (on a GPU its chart goes to
+``cupyconv-bench.png`` in the current directory). Without a GPU every command says
 in one line what it cannot do and does the rest. The exit status is 1 when a check fails (or a
 kernel fails to compile), else 0.
 """
@@ -84,9 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_CHART = "cupyconv-bench.png"  # the chart of the command-less run, on a GPU
+
+
 def run_all(parser: argparse.ArgumentParser, gpu, reason: str) -> int:
-    """No command: ``info``, ``check`` and, on a GPU, ``bench --quick``; "ok" at the end when
-    everything passed."""
+    """No command: ``info``, ``check`` and, on a GPU, ``bench --quick`` with its chart in
+    DEFAULT_CHART; "ok" at the end when everything passed."""
     env.report(gpu, reason)
     print()
     status = check.command(parser.parse_args(["check"]), gpu, reason)
@@ -94,7 +98,8 @@ def run_all(parser: argparse.ArgumentParser, gpu, reason: str) -> int:
     if status:
         print("bench: skipped, the check failed")
     else:
-        status = bench.command(parser.parse_args(["bench", "--quick"]), gpu, reason)
+        chart = ["--png", DEFAULT_CHART] if gpu is not None else []
+        status = bench.command(parser.parse_args(["bench", "--quick", *chart]), gpu, reason)
     print("ok" if status == 0 else "FAILED")
     return status
 
