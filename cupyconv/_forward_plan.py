@@ -28,6 +28,7 @@ from ._launch import (
     fast_divisor,
     pack,
     resident_blocks,
+    shared_memory_limit,
 )  # fmt: skip
 
 # Launch constants shared with the kernels. Measurements behind each number:
@@ -209,7 +210,9 @@ def _plan_forward(
     if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, itemsize):
         return _plan_channel(x, out, table["channel"][1], itemsize)
     if x_c == 1 and width > CHANNEL_MAX_WIDTH and not has_seq:
-        return _plan_channel_wide(x, width, table["channel"][1], itemsize, device)
+        plan = _plan_channel_wide(x, width, table["channel"][1], itemsize, device)
+        if plan is not None:
+            return plan
     runs = batch * dim * -(-seqlen // CONSTANTS["GENERAL_RUN"])
     grid = min(-(-runs // GENERAL_THREADS), MAX_GRID)
     return GENERAL.launch(
@@ -298,14 +301,18 @@ def _plan_channel(x, out, name, itemsize) -> Launch:
     )  # fmt: skip
 
 
-def _plan_channel_wide(x, width, name, itemsize, device) -> Launch:
+def _plan_channel_wide(x, width, name, itemsize, device) -> Launch | None:
     """The block's shared memory: the tile's STEPS + K - 1 input rows, then its K weight rows,
-    each of CHANNELS values of the accumulation type."""
+    each of CHANNELS values of the accumulation type. None where that is more than the device
+    allows a block (float64 from width 199 on sm_80 and from width 71 on sm_86 and sm_89): the
+    general kernel then."""
     batch, dim, seqlen = x.shape
     acc = 8 if itemsize == 8 else 4
     steps, channels = CONSTANTS["CHANNEL_WIDE_STEPS"], CONSTANTS["CHANNEL_WIDE_CHANNELS"]
     weights_at = (steps + width - 1) * channels * acc
     smem = weights_at + width * channels * acc
+    if smem > shared_memory_limit(device):
+        return None
     threads = 32 * CONSTANTS["CHANNEL_WIDE_WARPS"]
     tiles = batch * -(-seqlen // steps) * -(-dim // channels)
     grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem))

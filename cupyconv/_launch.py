@@ -248,6 +248,23 @@ def resident_blocks(device: int, source: Source, name: str, threads: int, smem: 
     return blocks
 
 
+_smem_limit: dict[int, int] = {}
+
+
+def shared_memory_limit(device: int) -> int:
+    """The most dynamic shared memory one block of a kernel without static shared memory can
+    be launched with on ``device`` (the opt-in limit: 227 KiB on sm_90, 163 KiB on sm_80,
+    99 KiB on sm_86 and sm_89); a plan that needs more takes a variant that needs less."""
+    limit = _smem_limit.get(device)
+    if limit is None:
+        from cupy.cuda import runtime as rt
+
+        limit = _smem_limit[device] = rt.deviceGetAttribute(
+            rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device
+        )
+    return limit
+
+
 def fast_divisor(d: int) -> int:
     """The divisor d (>= 1) as divmod_fast in kernels/common.cuh takes it: m | k << 32 such that
     a // d == a * m >> k for every 0 <= a < 2**31 (m = ceil(2**k / d) with k = 31 + ceil(log2 d):

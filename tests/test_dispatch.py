@@ -50,8 +50,12 @@ def launches(monkeypatch):
     monkeypatch.setattr(forward, "result", lambda like, arr: arr.obj)
     fake_resident = lambda device, source, name, threads, smem: 132 * 8
     monkeypatch.setattr(_forward_plan, "resident_blocks", fake_resident)
+    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: SM90_SMEM)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     return record
+
+
+SM90_SMEM, SM80_SMEM, SM86_SMEM = 232448, 166912, 101376  # opt-in shared memory per block
 
 
 def weight(c, k):
@@ -285,3 +289,37 @@ def test_fast_divisor_is_exact():
         values |= {int(a) for a in rng.integers(0, 2**31, 50)}
         for a in (a for a in values if 0 <= a < 2**31):
             assert (a * m) >> k == a // d, (a, d)
+
+
+LAYOUTS = {
+    "cf": lambda b, c, n, dt: FakeCudaArray((b, c, n), dtype=dt),
+    "cl": lambda b, c, n, dt: channel_last(b, c, n, dtype=dt),
+    "cl_slice": lambda b, c, n, dt: FakeCudaArray((b, c, n), (n * 3 * c, 1, 3 * c), dt, offset=c),
+    "misaligned": lambda b, c, n, dt: FakeCudaArray((b, c, n), dtype=dt, offset=1),
+    "time_stride2": lambda b, c, n, dt: FakeCudaArray((b, c, n), (2 * c * n, 2 * n, 2), dt),
+}
+
+
+@pytest.mark.parametrize("limit", (SM90_SMEM, SM80_SMEM, SM86_SMEM), ids=("sm90", "sm80", "sm86"))
+def test_every_launch_fits_the_device(launches, monkeypatch, limit):
+    """Every width 1..256 x layout x dtype (bfloat16 plans as float16) x short and long rows:
+    the block's dynamic shared memory within the device's opt-in limit, at most 1024 threads,
+    1 <= grid < 2**31; where the channel-last wide tile would not fit, the general kernel."""
+    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
+    fallbacks = 0
+    for dtype in (np.float32, np.float16, np.float64):
+        for layout, make in LAYOUTS.items():
+            for seqlen in (3, 3000):
+                for width in range(1, 257):
+                    launches.clear()
+                    x = make(2, 40, seqlen, dtype)
+                    cupyconv.causal_conv1d_fn(x, weight(40, width), activation="silu")
+                    ((name, plan, _),) = launches
+                    where = f"{layout} {np.dtype(dtype)} L={seqlen} width {width}: {name}"
+                    assert plan.smem <= limit, where
+                    assert plan.block[0] * plan.block[1] <= 1024, where
+                    assert 1 <= plan.grid <= 2**31 - 1, where
+                    wide = layout in ("cl", "cl_slice") and width > 8
+                    fallbacks += wide and name.startswith("fwd_general")
+    # float64 channel-last from width 199 (sm_80) or 71 (sm_86) on: 2 layouts x 2 lengths.
+    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 4 * 58, SM86_SMEM: 4 * 186}[limit]

@@ -630,6 +630,50 @@ def test_grid(layout, width, dim):
         )
 
 
+# ---- every valid input launches ---------------------------------------------------------------
+
+
+def test_wide_channel_last_short_rows_launch():
+    """x (2, 264, 3) float32, the channel-last view [:, :, 267:531].transpose(1, 2) of a
+    contiguous (2, 3, 799) buffer, weight (264, 256), no bias, SiLU: the wide channel-last tile
+    asks for 96 KiB of shared memory, which the kernel must be allowed before it launches."""
+    import torch
+
+    rng = np.random.default_rng(16)
+    x64, w64 = rounded(rng, (2, 264, 3), "float32"), rounded(rng, (264, 256), "float32", 1 / 16)
+    buf = torch.full((2, 3, 799), float("nan"), device="cuda")
+    x = buf[:, :, 267:531].transpose(1, 2)
+    x.copy_(torch.from_numpy(x64))
+    out = cupyconv.causal_conv1d_fn(x, torch.from_numpy(w64).cuda(), activation="silu")
+    want = reference.causal_conv1d_fn(x64, w64, activation="silu")
+    assert_close(out, want, "float32")
+
+
+def _random_launch_cases(n=48, seed=2026):
+    rng = np.random.default_rng(seed)
+    dtypes = ("float32", "bfloat16", "float16", "float64")
+    for i in range(n):
+        width = int(rng.choice([rng.integers(1, 9), rng.integers(9, 65), rng.integers(65, 257)]))
+        seqlen = int(rng.choice([1, 2, 3, rng.integers(4, 64), rng.integers(64, 900)]))
+        yield pytest.param(
+            dict(
+                batch=int(rng.integers(1, 4)), dim=int(rng.integers(1, 300)), seqlen=seqlen,
+                width=width, dtype=dtypes[i % 4], layout=LAYOUTS[int(rng.integers(len(LAYOUTS)))],
+                bias=bool(rng.integers(2)), silu=bool(rng.integers(2)),
+                segments=int(rng.integers(0, 4)), padding=bool(rng.integers(2)),
+                init=bool(rng.integers(2)), final=bool(rng.integers(2)), seed=i,
+            ),
+            id=f"case{i}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_random_launch_cases()))
+def test_random_launches(case):
+    """A seeded random sample of widths 1..256 x layouts x dtypes x row lengths x features:
+    every plan's launch fits the device and matches the reference."""
+    run_case(**case)
+
+
 # ---- overlap and non-finite values on the GPU path -------------------------------------------
 
 
