@@ -128,11 +128,17 @@ def warmup_call(task: Task, args, make) -> tuple[tuple, dict]:
     return (cupyconv.causal_conv1d_bwd, x, weight, bias, dout), kwargs
 
 
+#: Shared memory a block may opt into, by architecture (the plans' limit for the wide tiles).
+OPTIN_SHARED_MEMORY = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376}
+SM90_SHARED_MEMORY = 232448  # sm_90 and the architectures not in the table
+
+
 @contextlib.contextmanager
-def recording():
+def recording(arch: str = "sm_90"):
     """Within: ``cupyconv.warmup`` records the instances it would compile, by source, instead
     of compiling them (and kernels whose launch shape depends on the device's occupancy get a
-    stand-in count: it sizes grids, not instances). Yields the {source: set of names} filled."""
+    stand-in count: it sizes grids, not instances; the shared memory a block may have is that
+    of ``arch``). Yields the {source: set of names} filled."""
     from cupyconv import _backward_plan, _forward_plan, _update_plan, _warmup
 
     found: dict = {}
@@ -147,6 +153,10 @@ def recording():
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(_warmup, "get_kernel", record))
         stack.enter_context(mock.patch.object(_forward_plan, "resident_blocks", resident_blocks))
+        limit = OPTIN_SHARED_MEMORY.get(arch, SM90_SHARED_MEMORY)
+        stack.enter_context(
+            mock.patch.object(_forward_plan, "shared_memory_limit", lambda device: limit)
+        )
         for module in (_forward_plan, _backward_plan, _update_plan):  # plans made with the count
             stack.enter_context(mock.patch.object(module, "_plans", {}))
         yield found
@@ -154,7 +164,7 @@ def recording():
 
 def offline_instances(task_list: list[Task], args) -> dict:
     """{source: sorted instance names} that ``cupyconv.warmup`` would compile for the tasks."""
-    with recording() as found:
+    with recording(args.arch) as found:
         for task in task_list:
             call_args, kwargs = warmup_call(task, args, stand_in)
             cupyconv.warmup(*call_args, **kwargs)
