@@ -28,6 +28,7 @@ CONSTANTS = {
     "UPDATE_WINDOW": 16,  # conv_update: widest filter with its window in registers
     "UPDATE_THREADS": 128,  # conv_update: threads per block, one channel each
     "UPDATE_ROWS": 4,  # conv_update: batch rows per block
+    "UPDATE_OCCUPANCY": 8,  # conv_update: blocks a SM for widths <= 8 of 2- and 4-byte x
 }
 POINTERS = 7
 

@@ -246,11 +246,11 @@ __device__ __forceinline__ void update_rows(const T* __restrict__ x, S* conv_sta
 }
 
 template <typename T, int K>
-__global__ void conv_update(const T* __restrict__ x, const void* __restrict__ weight,
-                            const void* __restrict__ bias, void* __restrict__ conv_state,
-                            const void* __restrict__ cache_seqlens,
-                            const void* __restrict__ conv_state_indices, T* __restrict__ out,
-                            const __grid_constant__ UpdateParams p) {
+__device__ __forceinline__ void update(const T* __restrict__ x, const void* __restrict__ weight,
+                                       const void* __restrict__ bias, void* __restrict__ conv_state,
+                                       const void* __restrict__ cache_seqlens,
+                                       const void* __restrict__ conv_state_indices, T* __restrict__ out,
+                                       const UpdateParams& p) {
     using A = typename AccOf<T>::type;
     constexpr int ROWS = UPDATE_ROWS, N = K <= 4 ? 2 : 1;  // rows in flight at once
     static_assert(ROWS % N == 0, "UPDATE_ROWS is a multiple of the rows in flight");
@@ -305,4 +305,26 @@ __global__ void conv_update(const T* __restrict__ x, const void* __restrict__ we
             }
         }
     }
+}
+
+// The kernel. Instances of narrow filters on data of at most 4 bytes fit 64 registers: they are
+// held to it, for UPDATE_OCCUPANCY blocks a SM (the update is latency-bound: resident warps set
+// its speed); the others keep the compiler's choice. Two overloads, one viable per instance.
+template <bool B> struct EnableIf {};
+template <> struct EnableIf<true> { using type = void; };
+template <typename T, int K> constexpr bool held = K > 0 && K <= 8 && sizeof(T) <= 4;
+
+#define CONV_UPDATE_PARAMS                                                                         \
+    const T *__restrict__ x, const void *__restrict__ weight, const void *__restrict__ bias,       \
+        void *__restrict__ conv_state, const void *__restrict__ cache_seqlens,                     \
+        const void *__restrict__ conv_state_indices, T *__restrict__ out,                          \
+        const __grid_constant__ UpdateParams p
+template <typename T, int K>
+__global__ __launch_bounds__(UPDATE_THREADS, UPDATE_OCCUPANCY) typename EnableIf<held<T, K>>::type
+conv_update(CONV_UPDATE_PARAMS) {
+    update<T, K>(x, weight, bias, conv_state, cache_seqlens, conv_state_indices, out, p);
+}
+template <typename T, int K>
+__global__ typename EnableIf<!held<T, K>>::type conv_update(CONV_UPDATE_PARAMS) {
+    update<T, K>(x, weight, bias, conv_state, cache_seqlens, conv_state_indices, out, p);
 }
