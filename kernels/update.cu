@@ -32,9 +32,10 @@
 // rounded once to the state's dtype. The run-time dtypes of the taps, the bias and the state
 // are dispatched once per thread (with_dtype), never per element.
 //
-// The parameter struct UpdateParams, UPDATE_WINDOW, UPDATE_THREADS and UPDATE_ROWS come with the
-// prelude cupyconv generates from cupyconv/_update_plan.py: FIELDS (batch, dim, seqlen, width,
-// state_len, the arrays' strides in elements, their dtype codes, silu_act), then channel_tiles.
+// The parameter struct UpdateParams, UPDATE_WINDOW, UPDATE_THREADS, UPDATE_ROWS and
+// UPDATE_OCCUPANCY come with the prelude cupyconv generates from cupyconv/_update_plan.py:
+// FIELDS (batch, dim, seqlen, width, state_len, the arrays' strides in elements, their dtype
+// codes, silu_act), then channel_tiles.
 #include "common.cuh"
 
 // The element i of the float array p (dtype `code`) set to the value of v, rounded once.
