@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The result records and their JSON file are the main command's (``python -m cupyconv bench``).
-from cupyconv._cli.bench import spread, write_json  # noqa: E402
+from cupyconv._cli.bench import spread, with_copy_ratios, write_json  # noqa: E402
 
 #: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
 #: check takes a spread of channels instead of all of them.
@@ -415,12 +415,7 @@ def measure_case(
             row.update(status="error", message=error_text(exc))
             continue
         row["gbps"] = row["bytes"] / (row["us_median"] * 1e3)
-
-    copy_us = rows["copy"]["us_median"]
-    for row in rows.values():
-        if copy_us is not None and row["us_median"] is not None:
-            row["copy_ratio"] = copy_us / row["us_median"]
-    return list(rows.values())
+    return with_copy_ratios(rows)
 
 
 def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float):

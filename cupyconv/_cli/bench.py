@@ -528,6 +528,12 @@ def run_case(case: Case, env: Baselines, *, repeats: int, target_ms: float, time
             row.update(status="error", message=error_text(e))
             continue
         row["gbps"] = row["bytes"] / (row["us_median"] * 1e3)
+    return with_copy_ratios(rows)
+
+
+def with_copy_ratios(rows: dict) -> list:
+    """The rows of a case (by provider) as a list, each timed one with ``copy_ratio``: the
+    device copy's median time over its own."""
     copy_us = rows["copy"]["us_median"]
     for row in rows.values():
         if copy_us is not None and row["us_median"] is not None:
