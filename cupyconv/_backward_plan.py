@@ -37,7 +37,6 @@ CONSTANTS = {
     "WEIGHT_THREADS": 256,  # bwd_weight: threads per block (one run of positions each)
     "WEIGHT_RUN": 16,  # bwd_weight: positions per run
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
-    "CHANNEL_TILES": 16,  # bwd_channel: tiles per group (one group per warp)
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
@@ -49,6 +48,9 @@ TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
 # channel vector) by itemsize.
 CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
+# bwd_channel: tiles per group (one group per warp), halved while the call has fewer than
+# CHANNEL_MIN_GROUPS groups, down to one tile.
+CHANNEL_TILES, CHANNEL_MIN_GROUPS = 16, 4096
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -80,7 +82,7 @@ TIME = Kernel(
 )  # fmt: skip
 CHANNEL = Kernel(
     "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
-    ("dout_aligned", "dx_aligned", "strip_divisor", "group_divisor"),
+    ("dout_aligned", "dx_aligned", "strip_divisor", "group_divisor", "group_tiles"),
 )  # fmt: skip
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
@@ -225,13 +227,17 @@ def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan
     batch, dim, seqlen = x.shape
     steps, lane_bytes, warps = _channel_tile(x.dtype_name, width)
     strips = -(-dim // (32 * lane_bytes // itemsize))
-    groups = -(-seqlen // (steps * CONSTANTS["CHANNEL_TILES"]))
+    tiles = CHANNEL_TILES
+    groups = -(-seqlen // (steps * tiles))
+    while tiles > 1 and batch * groups * strips < CHANNEL_MIN_GROUPS:
+        tiles //= 2
+        groups = -(-seqlen // (steps * tiles))
     grid = _grid(batch * groups * strips, warps)
     launch = CHANNEL.launch(
         _channel_name(x.dtype_name, width, has_seq), grid, (32 * warps, 1),
         dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes), strip_divisor=fast_divisor(strips),
-        group_divisor=fast_divisor(groups),
+        group_divisor=fast_divisor(groups), group_tiles=tiles,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * groups, None)
 

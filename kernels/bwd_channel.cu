@@ -3,7 +3,8 @@
 //
 //   bwd_channel<T, K, SEQ, R, BYTES, WARPS>
 //       a warp owns a strip of 32 lanes x V = BYTES / sizeof(T) channels and a group of
-//       CHANNEL_TILES R time steps of a batch row, WARPS warps a block. R is a multiple of K.
+//       p.group_tiles tiles of R time steps of a batch row, WARPS warps a block. R is a multiple
+//       of K.
 //       SEQ says whether seq_idx is given.
 //
 // The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R
@@ -29,20 +30,20 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
                 dout_batch_stride = p.dout_batch_stride, dout_c_stride = p.dout_c_stride,
                 dout_l_stride = p.dout_l_stride, dx_batch_stride = p.dx_batch_stride, dx_c_stride = p.dx_c_stride,
-                dx_l_stride = p.dx_l_stride, strip_divisor = p.strip_divisor, group_divisor = p.group_divisor;
+                dx_l_stride = p.dx_l_stride, strip_divisor = p.strip_divisor, group_divisor = p.group_divisor,
+                span = R * p.group_tiles;  // time steps of a group
     const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
               dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned;
     using VecT = Vec<T, BYTES>;
     using Raw = typename VecT::Raw;
     constexpr int V = VecT::V;  // channels per lane
     constexpr int W = K - 1;
-    constexpr int SPAN = R * CHANNEL_TILES;  // time steps of a group
     static_assert(R % K == 0, "ring slots are compile-time constants only if R is a multiple of K");
     const int lane = threadIdx.x & 31;
     __shared__ Raw stage_mem[WARPS][2][2 * R * 32];  // per warp, two tiles: R rows of x, R of dout
     Raw (*const stage)[2 * R * 32] = stage_mem[threadIdx.x / 32];
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
-    const int64 groups_per_row = (seqlen + SPAN - 1) / SPAN;
+    const int64 groups_per_row = (seqlen + span - 1) / span;
     const int64 n_groups = batch * groups_per_row * n_strips;
 
     for (int64 g = grid_warp(); g < n_groups; g += grid_warps()) {
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         const T* const xb = x + b * x_batch_stride + c0;
         const T* const db = dout + b * dout_batch_stride + c0 * dout_c_stride;
         T* const dxb = dx + b * dx_batch_stride + c0 * dx_c_stride;
-        const int64 g0 = group * SPAN, g1 = min(seqlen, g0 + SPAN);
+        const int64 g0 = group * span, g1 = min(seqlen, g0 + span);
         const int steps = (int)(g1 - g0) + W;  // positions g0 .. g1 + W - 1
         const int n_tiles = (steps + R - 1) / R;
 
@@ -124,12 +125,16 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 cp_async_wait<0>();
             }
             const Raw* const st = stage[i & 1] + lane;
-            #pragma unroll 1
-            for (int r0 = 0; r0 < R; r0 += K) {
+            // K steps from r0 of the tile, compiled three times: CHECKED (the group's first K-1
+            // steps, or the positions past g1 or the row: every step checked, SiLU a run-time
+            // choice) and, for the steps inside, with the activation fixed (SILU), so that the
+            // K V derivatives of the steps interleave.
+            auto steps_from = [&](int r0, auto checked_flag, auto silu_flag) {
+                constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value;
                 #pragma unroll
                 for (int u = 0; u < K; ++u) {  // step r: position g0 + r
                     const int r = i * R + r0 + u;
-                    if (r >= steps) break;
+                    if (CHECKED && r >= steps) break;
                     const int64 pos = g0 + r;
                     const int own = (u + W) % K;  // slot of position g0 + r
                     VecT xrow, drow;
@@ -139,11 +144,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                     if constexpr (SEQ) ids[own] = id_at(pos);
                     A gd[V];
                     widen<T, A, V>(drow.e, gd);
-                    const bool live = pos < seqlen;
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) {
-                        A gm = gd[v];
-                        if (silu_act) {
+                    if (CHECKED ? silu_act : SILU) {
+                        #pragma unroll
+                        for (int v = 0; v < V; ++v) {
                             A z = bias_v[v];
                             #pragma unroll
                             for (int k = 0; k < K; ++k) {
@@ -153,14 +156,19 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                                     z += w[k][v] * xw[(u + k) % K][v];
                                 }
                             }
-                            gm *= silu_grad(z);
+                            gd[v] *= silu_grad(z);
                         }
+                    }
+                    const bool live = !CHECKED || pos < seqlen;
+                    #pragma unroll
+                    for (int v = 0; v < V; ++v) {
+                        A gm = gd[v];
                         if constexpr (SEQ) {
                             if (ids[own] < 0) gm = A(0);  // padding
                         }
                         dzw[own][v] = live ? gm : A(0);
                     }
-                    if (pos < g1) {
+                    if (!CHECKED || pos < g1) {
                         #pragma unroll
                         for (int v = 0; v < V; ++v) {
                             #pragma unroll
@@ -174,7 +182,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                             dw[K][v] += dzw[own][v];
                         }
                     }
-                    if (r >= W) {  // dx at pos - W (slot u, dxp), seen by the outputs pos - W .. pos
+                    if (!CHECKED || r >= W) {  // dx at pos - W (slot u, dxp), seen by the outputs pos - W .. pos
                         A acc[V];
                         #pragma unroll
                         for (int v = 0; v < V; ++v) {
@@ -200,6 +208,13 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         dxp += dx_l_stride;
                     }
                 }
+            };
+            #pragma unroll 1
+            for (int r0 = 0; r0 < R; r0 += K) {
+                const int r = i * R + r0;
+                if (r < W || g0 + r + K > g1) steps_from(r0, Flag<true>(), Flag<false>());
+                else if (silu_act) steps_from(r0, Flag<false>(), Flag<true>());
+                else steps_from(r0, Flag<false>(), Flag<false>());
             }
         }
         A* const out = partials + ((b * groups_per_row + group) * dim + c0) * (K + 1);

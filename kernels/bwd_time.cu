@@ -8,9 +8,10 @@
 // A warp stages its chunk of x with HV vectors on each side (HV VN >= K-1) and its chunk of
 // dout with HV vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that
 // are misaligned, strided or cut mid-vector element by element), then lane l computes the
-// vectors l, l + 32, ... of the chunk: dz at the VN + K - 1 positions from its vector's start
-// (the pre-activation recomputed from x), dx at its VN positions, and its share of the chunk's
-// dweight / dbias sums. The warp adds the lanes' shares in a fixed tree and lane 0 writes them
+// vectors l, l + 32, ... of the chunk: dz at its vector's VN positions (the pre-activation
+// recomputed from x; the vector's VN SiLU derivatives in one branch, so that they interleave),
+// the K-1 values of dz after them from the next lanes by shuffles, dx at its VN positions, and
+// its share of the chunk's dweight / dbias sums. The warp adds the lanes' shares in a fixed tree and lane 0 writes them
 // as part (b, chunk) of the partials. Positions before the row are initial_states (zeros
 // without them); dz past the row's end is 0. The chunk index is divided by the plan's fast
 // divisors p.chunk_divisor (chunks per row) and p.dim_divisor. p.x_aligned / p.dout_aligned /
@@ -135,10 +136,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                         ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
                     }
                 }
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) {
-                    A gm = go[o];
-                    if (silu_act) {
+                if (silu_act) {  // one branch for the vector: its VN derivatives interleave
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o) {
                         A z = bias_c;
                         #pragma unroll
                         for (int k = 0; k < K; ++k) {
@@ -148,8 +148,12 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                                 z += w[k] * xw[OFF + o + k];
                             }
                         }
-                        gm *= silu_grad(z);
+                        go[o] *= silu_grad(z);
                     }
+                }
+                #pragma unroll
+                for (int o = 0; o < VN; ++o) {
+                    A gm = go[o];
                     if constexpr (SEQ) {
                         if (ids[o + K - 1] < 0) gm = A(0);  // padding
                     }
@@ -167,10 +171,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                     }
                 }
             };
-            // dz at the HE positions after the chunk (lane u < HE: start + span + u), for the dx of
-            // the chunk's last positions; read from the stages element by element.
+            // dz at the K-1 positions after the chunk (lane u < K-1: start + span + u), for the dx
+            // of the chunk's last positions; read from the stages element by element.
             A tail = A(0);
-            if (lane < HE && start + span + lane < seqlen) {
+            if (lane < K - 1 && start + span + lane < seqlen) {
                 const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
                 const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
                 const int64 t = start + span + lane;
@@ -193,22 +197,20 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             for (int j = 0; j < NV; ++j) {
                 const int q = 32 * j + lane, i = q * VN;
                 if (j + 1 < NV) dz_vector(q + 32, nxt);
-                // dz at positions start + i .. start + i + VN + HE - 1: this vector's, then the HV
-                // after it from the lanes that computed them (each source lane sends the vector its
+                // dz at positions start + i .. start + i + VN + K - 2: this vector's, then the K-1
+                // after it from the lanes that computed them (each source lane sends the value its
                 // reader needs), then, past the chunk, the tail values.
-                A win[VN + HE];
+                A win[VN + K - 1];
                 #pragma unroll
                 for (int o = 0; o < VN; ++o) win[o] = cur[o];
                 #pragma unroll
-                for (int h = 1; h <= HV; ++h) {
-                    const int src = (lane + h) & 31;
-                    #pragma unroll
-                    for (int o = 0; o < VN; ++o)
-                        win[h * VN + o] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], src);
+                for (int u = 0; u < K - 1; ++u) {
+                    const int h = 1 + u / VN, o = u % VN;  // vector q + h, element o
+                    win[VN + u] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], (lane + h) & 31);
                 }
                 if (j == NV - 1) {
                     #pragma unroll
-                    for (int u = 0; u < HE; ++u) {
+                    for (int u = 0; u < K - 1; ++u) {
                         const int off = i + VN + u - span;  // >= 0: past the chunk
                         const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
                         if (off >= 0) win[VN + u] = t;
