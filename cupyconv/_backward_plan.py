@@ -82,7 +82,10 @@ TIME = Kernel(
 )  # fmt: skip
 CHANNEL = Kernel(
     "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
-    ("dout_aligned", "dx_aligned", "strip_divisor", "group_divisor", "group_tiles"),
+    (
+        "dout_aligned", "dx_aligned", "rows16", "strip_divisor", "group_divisor",
+        "group_tiles",
+    ),
 )  # fmt: skip
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
@@ -236,7 +239,8 @@ def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan
     launch = CHANNEL.launch(
         _channel_name(x.dtype_name, width, has_seq), grid, (32 * warps, 1),
         dout_aligned=_channel_vectors(dout, lane_bytes),
-        dx_aligned=_channel_vectors(dx, lane_bytes), strip_divisor=fast_divisor(strips),
+        dx_aligned=_channel_vectors(dx, lane_bytes),
+        rows16=rows_aligned(x, 1) and rows_aligned(dout, 1), strip_divisor=fast_divisor(strips),
         group_divisor=fast_divisor(groups), group_tiles=tiles,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * groups, None)

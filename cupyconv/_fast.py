@@ -62,8 +62,8 @@ class Torch:
     def empty(spec, like):
         if spec is LIKE:
             return _torch.empty_like(like)
-        shape, strides, dtype = spec
-        return _torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
+        shape, strides, dtype, device = spec
+        return _torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
     stream = staticmethod(_torch_stream)
 
@@ -113,15 +113,26 @@ def framework(x):
     return None
 
 
-def signature(fw, arrays, *others, written=()) -> tuple | None:
+def signature(fw, arrays, *others, written=(), known=()) -> tuple | None:
     """The signature of a call with ``arrays`` (None for absent ones) and the other arguments
     ``others``, and what decides whether the buffers ``written`` (arrays the call writes in
-    place) may be written; None where an array's attributes cannot be read this way."""
+    place) may be written; None where an array's attributes cannot be read this way.
+    ``known``: the signatures of the leading arrays, taken before (``signatures``)."""
     sig = fw.signature
     try:
-        key = (fw, *others, *[sig(a) for a in arrays])
+        key = (fw, *others, *known, *[sig(a) for a in arrays[len(known) :]])
         return (*key, *[fw.written(a) for a in written]) if written else key
     except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
+        return None
+
+
+def signatures(fw, arrays) -> tuple | None:
+    """The signatures of ``arrays``, for ``signature(..., known=)`` of a later call on them
+    (a torch autograd backward on the forward's inputs); None where one cannot be read."""
+    sig = fw.signature
+    try:
+        return tuple([sig(a) for a in arrays])
+    except Exception:  # noqa: BLE001 - as in signature
         return None
 
 
@@ -143,13 +154,13 @@ LIKE = "like"  # an output spec: the shape, dtype and memory order of the first 
 
 def output_spec(fw, a, like=None) -> tuple | str:
     """What ``fw.empty`` needs to allocate an array like the ``Array`` ``a`` made by the full
-    path: (shape, strides, dtype) in the framework's terms, or LIKE when that is what the
-    framework's ``empty_like`` of ``like`` (the call's x) gives."""
+    path: (shape, strides, dtype) in the framework's terms (and torch's device), or LIKE when
+    that is what the framework's ``empty_like`` of ``like`` (the call's x) gives."""
     if fw is Torch and like is not None and a.shape == like.shape and a.dtype == like.dtype:
         if a.strides == strides_like(like):
             return LIKE
     if fw is Torch:
-        return (a.shape, a.strides, a.obj.dtype)
+        return (a.shape, a.strides, a.obj.dtype, a.obj.device)
     return (a.shape, a.native.strides, a.native.dtype)
 
 
@@ -175,11 +186,14 @@ class FastCall:
         ptrs = [fw.ptr(a) for a in inputs]
         if not self.clear(ptrs):
             return None
-        made = tuple(None if s is None else fw.empty(s, like) for s in self.outputs)
-        for m in made:
-            ptrs.append(0 if m is None else fw.ptr(m))
+        empty, ptr = fw.empty, fw.ptr
+        made = []
+        for s in self.outputs:
+            m = None if s is None else empty(s, like)
+            made.append(m)
+            ptrs.append(ptr(m))
         self.replay.run(ptrs, fw.stream(self.device))
-        return made
+        return tuple(made)
 
     def clear(self, ptrs) -> bool:
         """Whether the guards hold for the inputs at ``ptrs`` (addresses, 0 when absent)."""

@@ -189,10 +189,13 @@ class Replay:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
         cupy = _cupy or _load_cupy()
         offset = 8 * ParamBlock.HEADER
+        if cupy.cuda.runtime.getDevice() != self.device:
+            with cupy.cuda.Device(self.device):
+                return self.run(pointers, stream_ptr)
         with self.lock:
             for function, grid, block, smem, params in self.steps:
                 struct.pack_into(self.fmt, params.words, offset, *pointers)
-                _launch_on(cupy, self.device, function, grid, block, smem, stream_ptr, params.extra)
+                _launch(cupy, function, grid, block, smem, stream_ptr, params.extra, self.device)
 
 
 _cupy = None  # the cupy module, imported with the first launch

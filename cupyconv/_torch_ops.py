@@ -45,8 +45,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from . import _fast, backward, forward, update
 from . import _validate as v
-from . import backward, forward, update
 from ._arrays import dense_strides, stride_order
 
 Tensor = torch.Tensor
@@ -382,7 +382,9 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # the gradient of an output nothing used stays None
 
 
-def _operator_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
+def _operator_backward(
+    ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
+):  # fmt: skip
     grads = torch.ops.cupyconv.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
     )
@@ -390,8 +392,17 @@ def _operator_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, w
     return grads[0], grads[1], dbias, grads[-1] if want_dinit else None
 
 
-def _eager_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act):
-    """The public backward (its lean path for repeated layouts)."""
+def _eager_backward(
+    ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
+):  # fmt: skip
+    """The lean path with the signatures the forward took, else the public backward."""
+    if ctx.signatures is not None:
+        grads = backward.lean_backward(
+            ctx.signatures, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit,
+            act,
+        )  # fmt: skip
+        if grads is not None:
+            return grads
     return backward.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act
     )
@@ -406,8 +417,9 @@ def _gradients(ctx, dout, dfinal_states, run_backward):
     need_x, need_weight, need_bias, _, need_init = ctx.needs_input_grad[:5]
     want_dinit = need_init and initial_states is not None
     dx, dweight, dbias, dinit = run_backward(
-        x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want_dinit, ctx.activation
-    )
+        ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want_dinit,
+        ctx.activation,
+    )  # fmt: skip
     if want_dinit and dinit.dtype != initial_states.dtype:  # autograd expects its own dtype
         dinit = dinit.to(initial_states.dtype)
     return (
@@ -435,11 +447,19 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
-        # Grad mode is off in here: the public function takes its lean path (``_fast.py``).
-        res = forward.causal_conv1d_fn(
-            x, weight, bias, seq_idx, initial_states, return_final_states, None, activation
-        )
-        _setup_context(ctx, (x, weight, bias, seq_idx, initial_states, activation), res)
+        # The lean path (``_fast.py``) with the inputs' signatures kept for the backward; else
+        # the public function (grad mode is off in here).
+        arrays = (x, weight, bias, seq_idx, initial_states)
+        ctx.signatures = known = _fast.signatures(_fast.Torch, arrays)
+        res = None
+        if known is not None:
+            key, inputs = forward.lean_key(
+                _fast.Torch, *arrays, return_final_states, None, activation, None, known
+            )
+            res = forward.lean_call(key, inputs, return_final_states)
+        if res is None:
+            res = forward.causal_conv1d_fn(*arrays, return_final_states, None, activation)
+        _setup_context(ctx, (*arrays, activation), res)
         return res
 
     @staticmethod

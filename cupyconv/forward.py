@@ -75,12 +75,9 @@ def causal_conv1d_fn(
         fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
         activation, out,
     )  # fmt: skip
-    fast = _fast.lookup(key)
-    if fast is not None:
-        made = fast(inputs, x)
-        if made is not None:
-            results = inputs + made  # the kernels' pointer order: ..., out, final_states
-            return (results[5], results[6]) if return_final_states else results[5]
+    results = lean_call(key, inputs, return_final_states)
+    if results is not None:
+        return results
     call = _ForwardCall(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
         activation, out,
@@ -93,11 +90,11 @@ _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (
 
 def lean_key(
     fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
-    activation, out,
+    activation, out, known=(),
 ):  # fmt: skip
     """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
     arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
-    the call cannot take it."""
+    the call cannot take it. ``known``: the signatures of x .. initial_states, taken before."""
     if fw is None or (final_states_out is not None and out is None):
         return None, None
     final = return_final_states if type(return_final_states) is bool else None
@@ -105,7 +102,21 @@ def lean_key(
     if final and final_states_out is not None:
         given += (final_states_out,)
     inputs = (x, weight, bias, seq_idx, initial_states, *given)
-    return _fast.signature(fw, inputs, "fwd", activation, final, written=given), inputs
+    key = _fast.signature(fw, inputs, "fwd", activation, final, written=given, known=known)
+    return key, inputs
+
+
+def lean_call(key, inputs, return_final_states):
+    """The results of a call with signature ``key`` on the lean path, or None where it has no
+    FastCall or a guard sends it the full way."""
+    fast = _fast.lookup(key)
+    if fast is None:
+        return None
+    made = fast(inputs, inputs[0])
+    if made is None:
+        return None
+    results = inputs + made  # the kernels' pointer order: ..., out, final_states
+    return (results[5], results[6]) if return_final_states else results[5]
 
 
 def _jax_eager(

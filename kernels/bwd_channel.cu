@@ -33,12 +33,14 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 dx_l_stride = p.dx_l_stride, strip_divisor = p.strip_divisor, group_divisor = p.group_divisor,
                 span = R * p.group_tiles;  // time steps of a group
     const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
-              dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned;
+              dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned, rows16 = (int)p.rows16;
     using VecT = Vec<T, BYTES>;
     using Raw = typename VecT::Raw;
     constexpr int V = VecT::V;  // channels per lane
     constexpr int W = K - 1;
     static_assert(R % K == 0, "ring slots are compile-time constants only if R is a multiple of K");
+    constexpr int PIECES = 2 * BYTES;  // 16-byte pieces of a staged row (32 lanes x BYTES)
+    constexpr int ROUND = 32 / PIECES;  // rows the warp stages together per 16-byte copy of a lane
     const int lane = threadIdx.x & 31;
     __shared__ Raw stage_mem[WARPS][2][2 * R * 32];  // per warp, two tiles: R rows of x, R of dout
     Raw (*const stage)[2 * R * 32] = stage_mem[threadIdx.x / 32];
@@ -59,11 +61,33 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         const int steps = (int)(g1 - g0) + W;  // positions g0 .. g1 + W - 1
         const int n_tiles = (steps + R - 1) / R;
 
+        // A whole strip of 16-byte aligned rows is staged by the warp together, in 16-byte pieces
+        // (lane l: piece l mod PIECES of rows l / PIECES, + ROUND, ...); otherwise each lane
+        // stages its own vectors.
+        const bool together = BYTES < 16 && rows16 && (strip + 1) * (32 * V) <= dim;  // warp-uniform
+        if (together) __syncwarp();  // the stage's last readers are done
         // Tile i: rows of positions g0 + i R .., zeros past the row.
         auto stage_tile = [&](int i) {
             Raw* const st = stage[i & 1] + lane;
             const int64 p0 = g0 + (int64)i * R;
             const int rows = (int)max(min(seqlen - p0, (int64)R), (int64)0);
+            if (together) {
+                const int piece = lane % PIECES, first = lane / PIECES;
+                char* const sb = reinterpret_cast<char*>(stage[i & 1]) + piece * 16;
+                const int64 c = strip * (32 * V) + piece * (16 / (int)sizeof(T));
+                const T* src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
+                const T* d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
+                #pragma unroll
+                for (int k = 0; k < (R + ROUND - 1) / ROUND; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
+                    const int r = first + k * ROUND;
+                    if (r < R) {
+                        cp_async<16>(sb + r * 32 * BYTES, r < rows ? src : x, r < rows ? 16 : 0);
+                        cp_async<16>(sb + (R + r) * 32 * BYTES, r < rows ? d : dout, r < rows ? 16 : 0);
+                    }
+                }
+                cp_async_commit();
+                return;
+            }
             const T* src = xb + p0 * x_l_stride;
             const T* d = db + p0 * dout_l_stride;
             if (rows == R) {  // the whole tile in the row: no checks
@@ -118,12 +142,14 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
 
         #pragma unroll 1
         for (int i = 0; i < n_tiles; ++i) {
+            if (together) __syncwarp();  // tile i - 1's readers are done with its stage
             if (i + 1 < n_tiles) {
                 stage_tile(i + 1);
                 cp_async_wait<1>();
             } else {
                 cp_async_wait<0>();
             }
+            if (together) __syncwarp();  // the pieces the other lanes staged have landed
             const Raw* const st = stage[i & 1] + lane;
             // K steps from r0 of the tile, compiled three times: CHECKED (the group's first K-1
             // steps, or the positions past g1 or the row: every step checked, SiLU a run-time

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
 
             A cur[VN], nxt[VN];
             dz_vector(lane, cur);
-            #pragma unroll
+            #pragma unroll 2
             for (int j = 0; j < NV; ++j) {
                 const int q = 32 * j + lane, i = q * VN;
                 if (j + 1 < NV) dz_vector(q + 32, nxt);
