@@ -118,11 +118,13 @@ def signature(fw, arrays, *others, written=(), known=()) -> tuple | None:
     ``others``, and what decides whether the buffers ``written`` (arrays the call writes in
     place) may be written; None where an array's attributes cannot be read this way.
     ``known``: the signatures of the leading arrays, taken before (``signatures``)."""
-    sig = fw.signature
+    taken = signatures(fw, arrays[len(known) :])
+    if taken is None:
+        return None
+    key = (fw, *others, *known, *taken)
     try:
-        key = (fw, *others, *known, *[sig(a) for a in arrays[len(known) :]])
         return (*key, *[fw.written(a) for a in written]) if written else key
-    except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
+    except Exception:  # noqa: BLE001 - a buffer the fast path cannot read: the full path
         return None
 
 
@@ -132,7 +134,7 @@ def signatures(fw, arrays) -> tuple | None:
     sig = fw.signature
     try:
         return tuple([sig(a) for a in arrays])
-    except Exception:  # noqa: BLE001 - as in signature
+    except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
 
 
