@@ -13,7 +13,7 @@ from . import _validate as v
 from ._arrays import empty, result, stream_of, stream_ptr, strides_like
 from ._host import host, new_host, write_host
 from ._launch import Replay, launch
-from ._update_plan import POINTERS, plan_update, takes_fast_path, update_args
+from ._update_plan import POINTERS, is_lean, plan_update, takes_fast_path, update_args
 
 __all__ = ["causal_conv1d_update"]
 
@@ -113,7 +113,8 @@ class _UpdateCall:
             return None
         x, state, circular = self.x, self.state, self.lens is not None
         fast = takes_fast_path(x.dtype_name, state.dtype_name, self.width, state.shape[2], circular)
-        return plan_update(x.dtype_name, batch, dim, self.width, fast)
+        lean = is_lean(x, self.weight, self.bias, state, self.lens, self.idx, circular)
+        return plan_update(x.dtype_name, batch, dim, self.width, fast, lean)
 
 
 def _update_gpu(call: _UpdateCall, fw=None, key=None):

@@ -23,6 +23,10 @@
 //                      back whole; circular mode reads K - 1 entries and writes the new tokens.
 //                      K = 0 (any width, longer sliding rows, other state dtypes): one row at a
 //                      time, inputs re-read (L1).
+//   conv_update_lean<T, K, R>  the layout of a decode step (one token, channels contiguous, a
+//                      dense state, one dtype, int32 indices, 32-bit offsets): the same
+//                      mapping with R rows a thread, all in flight at once, and a few
+//                      instructions a row (update_lean). Most serving calls take it.
 //
 // Each thread first computes every output from the unchanged state, then writes its own state
 // rows: rows never share a thread, so the in-place update needs no synchronisation (two batch
@@ -34,8 +38,8 @@
 //
 // The parameter struct UpdateParams, UPDATE_WINDOW, UPDATE_THREADS, UPDATE_ROWS and
 // UPDATE_OCCUPANCY come with the prelude cupyconv generates from cupyconv/_update_plan.py:
-// FIELDS (batch, dim, seqlen, width, state_len, the arrays' strides in elements, their dtype
-// codes, silu_act), then channel_tiles.
+// FIELDS (batch, dim, seqlen, width, state_len and its fast divisor, the arrays' strides in
+// elements, their dtype codes, silu_act), then channel_tiles.
 #include "common.cuh"
 
 // The element i of the float array p (dtype `code`) set to the value of v, rounded once.
@@ -308,6 +312,107 @@ __device__ __forceinline__ void update(const T* __restrict__ x, const void* __re
     }
 }
 
+// v[q] for a run-time q < N, by selection (v stays in registers).
+template <int N, typename T>
+__device__ __forceinline__ T pick(const T (&v)[N], int q) {
+    T out = v[0];
+    #pragma unroll
+    for (int u = 1; u < N; ++u)
+        if (q == u) out = v[u];
+    return out;
+}
+
+// The lean path, for the layout of a decode step, recognised by the plan (`is_lean`): one
+// token, x, out, the taps, the bias and the state of one dtype T; x and out with channels
+// contiguous, the taps as a dense [dim, K] and the bias contiguous; a dense state (channel c's
+// entries at c * state_len, contiguous; sliding mode: state_len == K - 1); int32 indices and
+// cache_seqlens, contiguous; every offset below 2^31. Its offsets are 32-bit and its unit
+// strides compile-time, so a row costs its loads, its K multiply-adds and its stores; a
+// thread takes one channel of R rows, every load of them issued before the first is used.
+template <typename T, int K, int R>
+__device__ __forceinline__ void update_lean(const T* __restrict__ x, const T* __restrict__ weight,
+                                            const T* __restrict__ bias, T* __restrict__ state,
+                                            const int* __restrict__ lens, const int* __restrict__ idx,
+                                            T* __restrict__ out, const UpdateParams& p) {
+    using A = float;
+    const unsigned tiles = (unsigned)p.channel_tiles, group = blockIdx.x / tiles;
+    const int c = (int)(blockIdx.x - group * tiles) * UPDATE_THREADS + threadIdx.x;
+    if (c >= (int)p.dim) return;
+    const int b0 = (int)group * R, rows = min(R, (int)p.batch - b0), state_len = (int)p.state_len;
+    const int x_stride = (int)p.x_batch_stride, out_stride = (int)p.out_batch_stride;
+    const int state_stride = (int)p.state_batch_stride;
+    int r[R], head[R];
+    T xt[R];
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const bool in = i < rows;
+        r[i] = !in ? -1 : idx ? idx[b0 + i] : b0 + i;
+        head[i] = in && lens ? lens[b0 + i] : 0;
+        xt[i] = in ? x[(b0 + i) * x_stride + c] : from_acc<T>(0.0f);
+    }
+    A w[K], bias_c = bias ? to_acc(bias[c]) : A(0);
+    #pragma unroll
+    for (int k = 0; k < K; ++k) w[k] = to_acc(weight[c * K + k]);
+    // A state row of K - 1 entries (every sliding row here; circular rows of that length) is
+    // read and written whole, at fixed offsets: v is the row as stored, history entry j of a
+    // circular row at (head + j) mod (K - 1). Longer circular rows: v is the history.
+    const bool whole = !lens || state_len == K - 1;
+    T v[R][K - 1];
+    int row[R];  // where channel c's state row starts
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+        row[i] = r[i] * state_stride + c * state_len;
+        if (lens) {  // circular: head = cache_seqlens mod state_len
+            if (head[i] >= 0) {
+                int64 q, m;
+                divmod_fast(head[i], state_len, p.state_len_divisor, q, m);
+                head[i] = (int)m;
+            } else {
+                head[i] = (int)mod_index(head[i], state_len);
+            }
+        }
+        if (whole) {
+            #pragma unroll
+            for (int j = 0; j < K - 1; ++j) v[i][j] = r[i] >= 0 ? state[row[i] + j] : from_acc<T>(0.0f);
+        } else {  // history entry j at (head - (K - 1) + j) mod state_len
+            int e = head[i] - (K - 1);
+            if (e < 0) e += state_len;
+            #pragma unroll
+            for (int j = 0; j < K - 1; ++j) {
+                v[i][j] = r[i] >= 0 ? state[row[i] + e] : from_acc<T>(0.0f);
+                if (++e == state_len) e = 0;
+            }
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+        if (i >= rows) break;
+        A acc = bias_c + w[K - 1] * to_acc(xt[i]);
+        if (lens && whole) {
+            #pragma unroll
+            for (int k = 0; k < K - 1; ++k) {
+                const int q = head[i] + k;
+                acc += w[k] * to_acc(pick(v[i], q < K - 1 ? q : q - (K - 1)));
+            }
+        } else {
+            #pragma unroll
+            for (int k = 0; k < K - 1; ++k) acc += w[k] * to_acc(v[i][k]);
+        }
+        out[(b0 + i) * out_stride + c] = from_acc<T>(r[i] < 0 ? A(0) : p.silu_act ? silu(acc) : acc);
+        if (r[i] < 0) continue;
+        if (!lens) {  // slide by one
+            #pragma unroll
+            for (int j = 0; j + 1 < K - 1; ++j) state[row[i] + j] = v[i][j + 1];
+            state[row[i] + K - 2] = xt[i];
+        } else if (whole) {  // the token over the oldest entry
+            #pragma unroll
+            for (int j = 0; j < K - 1; ++j) state[row[i] + j] = j == head[i] ? xt[i] : v[i][j];
+        } else {
+            state[row[i] + head[i]] = xt[i];
+        }
+    }
+}
+
 // The kernel. Instances of narrow filters on data of at most 4 bytes fit 64 registers: they are
 // held to it, for UPDATE_OCCUPANCY blocks a SM (the update is latency-bound: resident warps set
 // its speed); the others keep the compiler's choice. Two overloads, one viable per instance.
@@ -328,4 +433,11 @@ conv_update(CONV_UPDATE_PARAMS) {
 template <typename T, int K>
 __global__ typename EnableIf<!held<T, K>>::type conv_update(CONV_UPDATE_PARAMS) {
     update<T, K>(x, weight, bias, conv_state, cache_seqlens, conv_state_indices, out, p);
+}
+template <typename T, int K, int R>
+__global__ __launch_bounds__(UPDATE_THREADS, UPDATE_OCCUPANCY) void conv_update_lean(CONV_UPDATE_PARAMS) {
+    static_assert(K >= 2 && held<T, K>, "the lean path: widths 2 to 8 of 2- and 4-byte x");
+    update_lean<T, K, R>(x, static_cast<const T*>(weight), static_cast<const T*>(bias),
+                         static_cast<T*>(conv_state), static_cast<const int*>(cache_seqlens),
+                         static_cast<const int*>(conv_state_indices), out, p);
 }

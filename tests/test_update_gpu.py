@@ -116,6 +116,38 @@ def test_update_grid(width, seqlen, more, circular, order, pool):
     run_update(4, 33, seqlen, width, width - 1 + more, circular=circular, order=order, pool=pool)
 
 
+def update_kernel(batch, dim, seqlen, width, state_len, dtype, circular, pool):
+    """The kernel instance the plan picks for an update with run_update's layout."""
+    import torch
+
+    from cupyconv.update import _UpdateCall
+
+    shape = (batch, dim) if seqlen is None else (batch, dim, seqlen)
+    x = torch.zeros(shape, dtype=torch_dtype(dtype), device="cuda")
+    state = torch.zeros(batch + pool, dim, state_len, dtype=x.dtype, device="cuda")
+    w, b = torch.zeros(dim, width, dtype=x.dtype, device="cuda"), torch.zeros(dim, dtype=x.dtype)
+    idx = torch.zeros(batch, dtype=torch.int32, device="cuda") if pool else None
+    lens = torch.zeros(batch, dtype=torch.int32, device="cuda") if circular else None
+    call = _UpdateCall(x, state, w, b.cuda(), "silu", lens, idx)
+    return call.plan().name
+
+
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("seqlen", (None, 1))
+@pytest.mark.parametrize("mode", ("sliding", "circular", "circular-long"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+def test_update_lean(width, seqlen, mode, dtype):
+    """The layout of a decode step takes conv_update_lean: 19 and 5 batch rows (groups of R
+    rows and a partial one), 130 channels (a partial channel tile), a pool with padding rows;
+    circular states of width - 1 entries (read and written whole) and two entries longer."""
+    circular = mode != "sliding"
+    state_len = width - 1 + (2 if mode == "circular-long" else 0)
+    args = (19, 130, seqlen, width, state_len)
+    assert update_kernel(*args, dtype, circular, 5).startswith("conv_update_lean<")
+    run_update(*args, dtype, circular=circular, pool=5, seed=width)
+    run_update(5, *args[1:], dtype, circular=circular, seed=width + 1)  # two rows a thread
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
