@@ -48,8 +48,9 @@ FIELDS = (
     "weight_dtype", "bias_dtype", "state_dtype", "lens_dtype", "idx_dtype",
     "silu_act",
 )  # fmt: skip
-UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", ("channel_tiles",))
-LEAN = Kernel("conv_update_lean", "update.cu", "UpdateParams", ("channel_tiles",))
+PLAN_FIELDS = ("channel_tiles", "tiles_divisor")  # the channel tiles and their fast divisor
+UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", PLAN_FIELDS)
+LEAN = Kernel("conv_update_lean", "update.cu", "UpdateParams", PLAN_FIELDS)
 SOURCES = bind_sources(
     (UPDATE, LEAN), "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE)", CONSTANTS, FIELDS
 )
@@ -150,7 +151,9 @@ def plan_update(x_dtype: str, batch: int, dim: int, width: int, fast: bool, lean
             rows = CONSTANTS["UPDATE_ROWS"]
             grid = min(tiles * -(-batch // rows), MAX_GRID)
             name, kernel = update_name(x_dtype, width, fast), UPDATE
-        plan = kernel.launch(name, grid, (threads, 1), channel_tiles=tiles)
+        plan = kernel.launch(
+            name, grid, (threads, 1), channel_tiles=tiles, tiles_divisor=fast_divisor(tiles)
+        )
         remember(_plans, key, plan)
     return plan
 

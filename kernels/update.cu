@@ -39,7 +39,7 @@
 // The parameter struct UpdateParams, UPDATE_WINDOW, UPDATE_THREADS, UPDATE_ROWS and
 // UPDATE_OCCUPANCY come with the prelude cupyconv generates from cupyconv/_update_plan.py:
 // FIELDS (batch, dim, seqlen, width, state_len and its fast divisor, the arrays' strides in
-// elements, their dtype codes, silu_act), then channel_tiles.
+// elements, their dtype codes, silu_act), then channel_tiles and its fast divisor.
 #include "common.cuh"
 
 // The element i of the float array p (dtype `code`) set to the value of v, rounded once.
@@ -322,6 +322,11 @@ __device__ __forceinline__ T pick(const T (&v)[N], int q) {
     return out;
 }
 
+// a / d for 0 <= a < 2^31, given d's fast divisor `magic` (divmod_fast's form, common.cuh).
+__device__ __forceinline__ unsigned quotient(unsigned a, int64 magic) {
+    return (unsigned)(((unsigned long long)a * (unsigned)magic) >> (int)(magic >> 32));
+}
+
 // The lean path, for the layout of a decode step, recognised by the plan (`is_lean`): one
 // token, x, out, the taps, the bias and the state of one dtype T; x and out with channels
 // contiguous, the taps as a dense [dim, K] and the bias contiguous; a dense state (channel c's
@@ -335,8 +340,8 @@ __device__ __forceinline__ void update_lean(const T* __restrict__ x, const T* __
                                             const int* __restrict__ lens, const int* __restrict__ idx,
                                             T* __restrict__ out, const UpdateParams& p) {
     using A = float;
-    const unsigned tiles = (unsigned)p.channel_tiles, group = blockIdx.x / tiles;
-    const int c = (int)(blockIdx.x - group * tiles) * UPDATE_THREADS + threadIdx.x;
+    const int group = (int)quotient(blockIdx.x, p.tiles_divisor);
+    const int c = ((int)blockIdx.x - group * (int)p.channel_tiles) * UPDATE_THREADS + threadIdx.x;
     if (c >= (int)p.dim) return;
     const int b0 = (int)group * R, rows = min(R, (int)p.batch - b0), state_len = (int)p.state_len;
     const int x_stride = (int)p.x_batch_stride, out_stride = (int)p.out_batch_stride;
@@ -363,12 +368,12 @@ __device__ __forceinline__ void update_lean(const T* __restrict__ x, const T* __
     for (int i = 0; i < R; ++i) {
         row[i] = r[i] * state_stride + c * state_len;
         if (lens) {  // circular: head = cache_seqlens mod state_len
-            if (head[i] >= 0) {
-                int64 q, m;
-                divmod_fast(head[i], state_len, p.state_len_divisor, q, m);
-                head[i] = (int)m;
+            const int h = head[i];
+            if (h >= 0) {
+                head[i] = h - (int)quotient(h, p.state_len_divisor) * state_len;
             } else {
-                head[i] = (int)mod_index(head[i], state_len);
+                const int m = h % state_len;
+                head[i] = m < 0 ? m + state_len : m;
             }
         }
         if (whole) {
