@@ -50,8 +50,8 @@ class Torch:
         return (t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.data_ptr() & 15)
 
     @staticmethod
-    def ptr(t) -> int:
-        return 0 if t is None else t.data_ptr()
+    def ptrs(ts) -> list[int]:
+        return [0 if t is None else t.data_ptr() for t in ts]
 
     @staticmethod
     def written(t) -> tuple:
@@ -79,8 +79,8 @@ class Cupy:
         return (a.shape, a.strides, a.dtype, data.device_id, data.ptr & 15)
 
     @staticmethod
-    def ptr(a) -> int:
-        return 0 if a is None else a.data.ptr
+    def ptrs(arrays) -> list[int]:
+        return [0 if a is None else a.data.ptr for a in arrays]
 
     @staticmethod
     def written(a) -> tuple:
@@ -118,13 +118,11 @@ def signature(fw, arrays, *others, written=(), known=()) -> tuple | None:
     ``others``, and what decides whether the buffers ``written`` (arrays the call writes in
     place) may be written; None where an array's attributes cannot be read this way.
     ``known``: the signatures of the leading arrays, taken before (``signatures``)."""
-    taken = signatures(fw, arrays[len(known) :])
-    if taken is None:
-        return None
-    key = (fw, *others, *known, *taken)
+    sig = fw.signature
     try:
-        return (*key, *[fw.written(a) for a in written]) if written else key
-    except Exception:  # noqa: BLE001 - a buffer the fast path cannot read: the full path
+        key = (fw, *others, *known, *[sig(a) for a in arrays[len(known) :]])
+        return key + tuple([fw.written(a) for a in written]) if written else key
+    except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
 
 
@@ -185,17 +183,14 @@ class FastCall:
         """Launch on ``inputs`` (the operator's input arrays, in its kernels' pointer order);
         returns the new outputs, or None where a guard failed (take the full path)."""
         fw = self.fw
-        ptrs = [fw.ptr(a) for a in inputs]
-        if not self.clear(ptrs):
+        ptrs = fw.ptrs(inputs)
+        if self.guards and not self.clear(ptrs):
             return None
-        empty, ptr = fw.empty, fw.ptr
-        made = []
-        for s in self.outputs:
-            m = None if s is None else empty(s, like)
-            made.append(m)
-            ptrs.append(ptr(m))
+        empty = fw.empty
+        made = tuple([None if s is None else empty(s, like) for s in self.outputs])
+        ptrs += fw.ptrs(made)
         self.replay.run(ptrs, fw.stream(self.device))
-        return tuple(made)
+        return made
 
     def clear(self, ptrs) -> bool:
         """Whether the guards hold for the inputs at ``ptrs`` (addresses, 0 when absent)."""

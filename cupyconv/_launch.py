@@ -177,34 +177,39 @@ class Replay:
     def __init__(self, launches, device: int, n_pointers: int, stream_ptr: int):
         """``launches``: (Launch, ParamBlock) pairs of the call, in order."""
         self.device, self.fmt, self.lock = device, f"<{n_pointers}q", threading.Lock()
-        self.steps = tuple(
-            (
-                loaded_kernel(plan, device, stream_ptr), plan.grid, plan.block, plan.smem,
-                ParamBlock(params.values, writable=True),
-            )
-            for plan, params in launches
-        )  # fmt: skip
+        steps = []
+        for plan, params in launches:
+            block = ParamBlock(params.values, writable=True)
+            function = loaded_kernel(plan, device, stream_ptr)
+            steps.append((function, plan.grid, *plan.block, plan.smem, block.words, block.extra))
+        self.steps = tuple(steps)
 
     def run(self, pointers, stream_ptr: int) -> None:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
         cupy = _cupy or _load_cupy()
-        offset = 8 * ParamBlock.HEADER
-        if cupy.cuda.runtime.getDevice() != self.device:
+        if _get_device() != self.device:
             with cupy.cuda.Device(self.device):
                 return self.run(pointers, stream_ptr)
+        fmt, offset = self.fmt, 8 * ParamBlock.HEADER
         with self.lock:
-            for function, grid, block, smem, params in self.steps:
-                struct.pack_into(self.fmt, params.words, offset, *pointers)
-                _launch(cupy, function, grid, block, smem, stream_ptr, params.extra, self.device)
+            for function, grid, bx, by, smem, words, extra in self.steps:
+                struct.pack_into(fmt, words, offset, *pointers)
+                try:
+                    _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
+                except _DriverError:  # a thread without a current context: _launch retries
+                    _launch(cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
 
 
 _cupy = None  # the cupy module, imported with the first launch
+_get_device = _launch_kernel = _DriverError = None  # its functions a Replay calls per launch
 
 
 def _load_cupy():
-    global _cupy
+    global _cupy, _get_device, _launch_kernel, _DriverError
     import cupy
 
+    _get_device = cupy.cuda.runtime.getDevice
+    _launch_kernel, _DriverError = cupy.cuda.driver.launchKernel, cupy.cuda.driver.CUDADriverError
     _cupy = cupy
     return cupy
 

@@ -5,7 +5,8 @@ given. The checks read metadata only, with one exception: the values of index ar
 (cu_seqlens, conv_state_indices) are checked where reading them is free, on CPU arrays. On GPU
 arrays that would need a host synchronisation, so there their values are the caller's
 responsibility, unless debug mode is on (``debug()`` or the environment variable
-CUPYCONV_DEBUG=1), which copies them to the host and checks them too.
+CUPYCONV_DEBUG=1, read when cupyconv is imported), which copies them to the host and checks
+them too.
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ _debug = threading.local()
 def debug():
     """Debug mode in this thread, for the duration of a ``with`` block: the values of index
     arguments on GPU arrays are copied to the host and checked as on CPU arrays (each such
-    call synchronises with the GPU). The environment variable CUPYCONV_DEBUG=1 turns it on
-    everywhere."""
+    call synchronises with the GPU). The environment variable CUPYCONV_DEBUG=1 (read when
+    cupyconv is imported) turns it on everywhere."""
     depth = getattr(_debug, "depth", 0)
     _debug.depth = depth + 1
     try:
@@ -235,8 +236,11 @@ def debug():
         _debug.depth = depth
 
 
+DEBUG_ENV = os.environ.get("CUPYCONV_DEBUG", "") not in ("", "0")  # read once: calls are hot
+
+
 def debug_enabled() -> bool:
-    return getattr(_debug, "depth", 0) > 0 or os.environ.get("CUPYCONV_DEBUG", "") not in ("", "0")
+    return DEBUG_ENV or getattr(_debug, "depth", 0) > 0
 
 
 def index_values(a: Array | None) -> np.ndarray | None:

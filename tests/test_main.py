@@ -72,7 +72,7 @@ def test_default_command_without_gpu():
     assert "check on the CPU path (numpy arrays): all 72 match the float64 reference" in out
     if not nvrtc_missing():
         assert "compile check: 12 forward kernel instances compile with NVRTC" in out
-        assert "12 backward, update and varlen instances for sm_90" in out
+        assert "13 backward, update and varlen instances for sm_90" in out
     assert "bench: no GPU (" in out and "nothing to time (6 cases skipped)" in out
     assert out.rstrip().endswith("ok")
 
@@ -126,7 +126,7 @@ def test_warmup_without_gpu_compiles_offline():
     assert "cannot load kernels; compiling the same instances offline with NVRTC" in out
     assert "need 2 kernel instances, compiled offline for sm_90:" in out
     listed = [line.strip() for line in out.splitlines() if line.startswith("  ")]
-    assert listed == [f"conv_update_lean<{T}, 4, 4>", f"fwd_time<{T}, 4, false, 2, 4>"]
+    assert listed == [f"conv_update_lean<{T}, 4, 2>", f"fwd_time<{T}, 4, false, 2, 4>"]
 
 
 # ---- the same on a GPU ------------------------------------------------------------------------

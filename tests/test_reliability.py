@@ -293,13 +293,13 @@ def test_debug_mode_reads_gpu_index_values(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         asarray=lambda a: a, asnumpy=lambda a: seen.append(a) or np.asarray(a)
     ))  # fmt: skip
-    monkeypatch.delenv("CUPYCONV_DEBUG", raising=False)
+    monkeypatch.setattr(_validate, "DEBUG_ENV", False)
     _validate.cu_seqlens_values(cu, 5)  # not read
     assert seen == []
     with cc.debug(), pytest.raises(ValueError, match="^cu_seqlens must end at most"):
         _validate.cu_seqlens_values(cu, 5)
     assert len(seen) == 1 and not _validate.debug_enabled()
-    monkeypatch.setenv("CUPYCONV_DEBUG", "1")
+    monkeypatch.setattr(_validate, "DEBUG_ENV", True)  # CUPYCONV_DEBUG=1 at import
     assert _validate.debug_enabled()
 
 
