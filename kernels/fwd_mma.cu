@@ -175,14 +175,18 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
         load_row(u.mid, st);
         bool nonfinite = false;
         const uint2* s = reinterpret_cast<const uint2*>(stages + st * (WV + PW)) + 4 * g + tg;
-        // Two blocks at a time: their MMA chains are independent, so one hides the other's latency.
+        // CHAINS blocks at a time: their MMA chains are independent, so each hides the others'
+        // latency. Four measured faster up to KS = 3 (widths up to 33), slower at KS = 5
+        // (benchmarks/NOTES.md, "fwd_mma's chains").
+        constexpr int CHAINS = KS <= 3 ? 4 : 2;
+        static_assert(NB % CHAINS == 0, "MMA_BLOCKS is a multiple of the chains");
         #pragma unroll 1
-        for (int blk = 0; blk < NB && start + blk * 128 < seqlen; blk += 2, s += 64) {
-            float acc[2][4] = {};
+        for (int blk = 0; blk < NB && start + blk * 128 < seqlen; blk += CHAINS, s += 32 * CHAINS) {
+            float acc[CHAINS][4] = {};
             #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
+                for (int j = 0; j < CHAINS; ++j) {
                     const uint2 bw = s[32 * j + 4 * ks];  // inputs 4 tg .. 4 tg + 3 of segment g + ks
                     MmaOp<T>::run(acc[j], ahi[ks], bw.x, bw.y);
                     if (split) MmaOp<T>::run(acc[j], alo[ks], bw.x, bw.y);
@@ -191,7 +195,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS))
             // c0: (row g, column 2 tg), c1: (g, 2 tg + 1), c2: (g + 8, 2 tg), c3: (g + 8, 2 tg + 1):
             // outputs 32 tg + 2 g (c0, c2) and 32 tg + 16 + 2 g (c1, c3) of the block.
             #pragma unroll
-            for (int j = 0; j < 2; ++j) {
+            for (int j = 0; j < CHAINS; ++j) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[j][r] += bias_c;
                 // (a sum is not finite if one of its terms is not: one test for four outputs)
