@@ -101,7 +101,6 @@ def is_lean(x: Array, weight: Array, bias, state: Array, lens, idx, circular: bo
     def extent(shape, strides):  # the largest offset, in elements
         return sum((k - 1) * abs(st) for k, st in zip(shape, strides))
 
-    out_strides = strides_like(x)
     if dtype == "float64" or width not in LEAN_WIDTHS or (len(x.shape) == 3 and x.shape[2] != 1):
         return False
     if any(a is not None and a.dtype_name != dtype for a in (weight, bias, state)):
@@ -110,6 +109,7 @@ def is_lean(x: Array, weight: Array, bias, state: Array, lens, idx, circular: bo
         if a is not None and (a.dtype_name != "int32" or not unit(a, 0)):
             return False
     dense_state = unit(state, 2) and (dim == 1 or state.strides[1] == state_len)
+    out_strides = strides_like(x)
     return (
         unit(x, 1) and (dim == 1 or out_strides[1] == 1)
         and unit(weight, 1) and (dim == 1 or weight.strides[0] == width)
@@ -124,7 +124,7 @@ def all_update_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     """Every update template instance the plan can produce for these x dtypes and widths."""
     names = {update_name(d, w) for d in dtypes for w in widths}
     names |= {update_name(d, w, False) for d in dtypes for w in widths}
-    names |= {
+    names |= {  # batches 1 and 16: both row counts lean_rows picks
         lean_name(d, w, lean_rows(w, b))
         for d in dtypes if d != "float64" for w in widths if w in LEAN_WIDTHS for b in (1, 16)
     }  # fmt: skip
