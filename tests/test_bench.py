@@ -27,12 +27,11 @@ FORWARD_CASES = [
     "cf-fp32-8x5120x2048-w4",
     "cl-fp32-8x5120x2048-w4",
     "cf-fp16-8x5120x2048-w4",
-    "cf-bf16-8x5120x2048-w8",
-    "cf-bf16-8x5120x2048-w16",
-    "cf-bf16-8x5120x2048-w31",
-    "cf-bf16-8x5120x2048-w64",
-    "cf-bf16-8x5120x2048-w256",
-    "cl-bf16-8x5120x2048-w64",
+    *[
+        f"{layout}-bf16-8x5120x2048-w{w}"
+        for layout in ("cf", "cl")
+        for w in (8, 16, 31, 64, 128, 256)
+    ],
 ]
 
 
