@@ -106,11 +106,16 @@ __device__ __forceinline__ void divmod(int64 a, int64 d, int64& q, int64& r) {
     }
 }
 
-// divmod for a divisor d given with its fast form `magic` = m | k << 32 (cupyconv/_launch.py:
-// fast_divisor): for 0 <= a < 2^31, a / d = a m >> k (m < 2^32, k <= 62) without a division.
+// a / d for 0 <= a < 2^31, given d's fast form `magic` = m | k << 32 (cupyconv/_launch.py:
+// fast_divisor): a m >> k (m < 2^32, k <= 62), without a division.
+__device__ __forceinline__ unsigned quotient(unsigned a, int64 magic) {
+    return (unsigned)(((unsigned long long)a * (unsigned)magic) >> (int)(magic >> 32));
+}
+
+// divmod for a divisor d given with its fast form `magic` (quotient for 0 <= a < 2^31).
 __device__ __forceinline__ void divmod_fast(int64 a, int64 d, int64 magic, int64& q, int64& r) {
     if ((a >> 31) == 0) {
-        q = (int64)(((unsigned long long)(unsigned)a * (unsigned)magic) >> (int)(magic >> 32));
+        q = (int64)quotient((unsigned)a, magic);
         r = (int64)((unsigned)a - (unsigned)q * (unsigned)d);
     } else {
         q = a / d;

@@ -322,11 +322,6 @@ __device__ __forceinline__ T pick(const T (&v)[N], int q) {
     return out;
 }
 
-// a / d for 0 <= a < 2^31, given d's fast divisor `magic` (divmod_fast's form, common.cuh).
-__device__ __forceinline__ unsigned quotient(unsigned a, int64 magic) {
-    return (unsigned)(((unsigned long long)a * (unsigned)magic) >> (int)(magic >> 32));
-}
-
 // The lean path, for the layout of a decode step, recognised by the plan (`is_lean`): one
 // token, x, out, the taps, the bias and the state of one dtype T; x and out with channels
 // contiguous, the taps as a dense [dim, K] and the bias contiguous; a dense state (channel c's
