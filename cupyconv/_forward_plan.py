@@ -40,15 +40,18 @@ CONSTANTS = {
     "TIME_WIDE_CHUNK": 16,  # fwd_time_wide: taps per chunk (taps are zero-padded to chunks)
     "TIME_WIDE_BANK_RUN": 32,  # fwd_time_wide: a staged row gains TIME_WIDE_BANK_PAD slots
     "TIME_WIDE_BANK_PAD": 4,  # every TIME_WIDE_BANK_RUN slots (no bank conflicts)
-    "MMA_BLOCKS": 8,  # fwd_mma: 128-output blocks per tile
-    "MMA_WARPS": 4,  # fwd_mma: warps per block
+    "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
+    "MMA_CL_ROWS": 16,  # fwd_mma: channels of a channel-contiguous tile (32 bytes a step)
+    "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_CHANNELS": 32,  # fwd_channel_wide: channels per tile (one per lane)
     "CHANNEL_WIDE_STEPS": 256,  # fwd_channel_wide: time steps per tile
     "CHANNEL_WIDE_WARPS": 4,  # fwd_channel_wide: warps per block
 }
-TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_mma, fwd_time_wide
-MMA_MAX_WIDTH = 129  # fwd_mma (16-bit x, tensor cores) up to this width: K - 1 <= 16 (KS - 1)
+TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
+MMA_MIN_WIDTH = 9  # fwd_mma (16-bit x, tensor cores, both layouts) from this width on
+# fwd_mma: most outputs a tile spans, for time-contiguous and channel-contiguous x.
+MMA_SPAN, MMA_CL_SPAN = 2048, 1024
 CHANNEL_MAX_WIDTH = 8  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -81,7 +84,10 @@ _ALIGNED = ("x_aligned", "out_aligned")  # rows of x / out start on the kernel's
 TIME = Kernel(
     "fwd_time", "fwd_time.cu", "FwdTimeParams", (*_ALIGNED, "chunk_divisor", "dim_divisor")
 )
-MMA = Kernel("fwd_mma", "fwd_mma.cu", "FwdMmaParams", _ALIGNED)
+MMA = Kernel(
+    "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
+    (*_ALIGNED, "channel_last", "span", "row_len", "weights_at"),
+)  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
     (*_ALIGNED, "halo", "taps", "row_slots", "weights_at", "ids_at"),
@@ -105,9 +111,10 @@ SOURCES = bind_sources(
 def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
     """The dispatch table: the forward kernel (source, template instance) for each layout of x
     of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
-    TIME_SHORT_ROW bytes; "time_mma" replaces them above TIME_MAX_WIDTH where tensor cores are
-    exact (``tensor_cores``); "channel" serves channel-contiguous x in lane vectors; "general"
-    any strides; "final_states" the final states."""
+    TIME_SHORT_ROW bytes; "mma" (weights of x's dtype) and "mma_split" (other weights) replace
+    them and "channel" from MMA_MIN_WIDTH on where tensor cores are exact (``tensor_cores``);
+    "channel" serves channel-contiguous x in lane vectors; "general" any strides;
+    "final_states" the final states."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = CHANNEL_TILES[ITEMSIZE[dtype]]
@@ -120,8 +127,10 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
-    if TIME_MAX_WIDTH < width <= MMA_MAX_WIDTH and dtype in ("bfloat16", "float16") and not seq:
-        table["time_mma"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}>")
+    if width >= MMA_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
+        table["mma"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}, false>")
+        if dtype == "bfloat16":
+            table["mma_split"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}, true>")
     if width <= CHANNEL_MAX_WIDTH:
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     elif not seq:
@@ -181,7 +190,9 @@ def plan_forward(
 ) -> Launch:
     """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
     whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
-    mma = width > TIME_MAX_WIDTH and tensor_cores(x, weight, initial_states)
+    mma = None
+    if width >= MMA_MIN_WIDTH and tensor_cores(x, weight, initial_states):
+        mma = "mma" if weight.dtype_name == x.dtype_name else "mma_split"
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
         out.ptr % 16,
@@ -193,15 +204,16 @@ def plan_forward(
 
 
 def _plan_forward(
-    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: bool
+    x: Array, out: Array, width: int, has_seq: bool, device: int, mma: str | None
 ) -> Launch:
     batch, dim, seqlen = x.shape
     itemsize = ITEMSIZE[x.dtype_name]
     table = forward_kernels(x.dtype_name, width, has_seq)
     _, x_c, x_l = x.strides
-    if x_l == 1 or (seqlen == 1 and x_c != 1):
-        if mma and "time_mma" in table:
-            return _plan_mma(x, out, table["time_mma"][1], device)
+    time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
+    if mma and mma in table and (time_major or x_c == 1):
+        return _plan_mma(x, out, width, table[mma][1], device, not time_major)
+    if time_major:
         if width > TIME_MAX_WIDTH:
             return _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize)
         short = seqlen * itemsize <= TIME_SHORT_ROW
@@ -237,16 +249,38 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
     )  # fmt: skip
 
 
-def _plan_mma(x, out, name, device) -> Launch:
+def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
+    """A tile of MMA_WARPS rows (MMA_CL_ROWS channels of channel-contiguous x) spans up to
+    MMA_SPAN (MMA_CL_SPAN) outputs, less while the tiles would not fill the device. The block's
+    shared memory: each row's window (D inputs before the tile, then the tile; channel-contiguous
+    rows padded to 4 mod 8 elements against bank conflicts), then each warp's zero-padded taps
+    (2 D + 32 floats)."""
     batch, dim, seqlen = x.shape
-    threads = 32 * CONSTANTS["MMA_WARPS"]
-    tiles = batch * dim * -(-seqlen // (128 * CONSTANTS["MMA_BLOCKS"]))
-    # The kernel's shared memory is static: resident_blocks reads it from the compiled kernel.
-    resident = resident_blocks(device, MMA.source, name, threads, 0)
-    grid = min(-(-tiles // CONSTANTS["MMA_WARPS"]), resident)
+    d = 16 * (_mma_steps(width) - 1)
+    step, threads = CONSTANTS["MMA_SPAN_STEP"], 32 * CONSTANTS["MMA_WARPS"]
+    rows = CONSTANTS["MMA_CL_ROWS"] if channel_last else CONSTANTS["MMA_WARPS"]
+    groups = -(-dim // rows)
+
+    def layout(span):
+        row_len = d + span + (4 if channel_last else 0)
+        weights_at = -(-rows * row_len * 2 // 16) * 16
+        return row_len, weights_at, weights_at + CONSTANTS["MMA_WARPS"] * (2 * d + 32) * 4
+
+    span = min(MMA_CL_SPAN if channel_last else MMA_SPAN, -(-seqlen // step) * step)
+    while span > step and layout(span)[2] > shared_memory_limit(device):
+        span //= 2
+    resident = resident_blocks(device, MMA.source, name, threads, layout(span)[2])
+    while span > step and batch * groups * -(-seqlen // span) < 2 * resident:
+        span //= 2
+    row_len, weights_at, smem = layout(span)
+    resident_blocks(device, MMA.source, name, threads, smem)  # allows the shared memory
+    tiles = batch * groups * -(-seqlen // span)
+    along = 1 if channel_last else 2
     return MMA.launch(
-        name, grid, (threads, 1), x_aligned=_time_vectors(x, 2), out_aligned=_time_vectors(out, 2)
-    )
+        name, min(tiles, MAX_GRID), (threads, 1), smem,
+        x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
+        channel_last=int(channel_last), span=span, row_len=row_len, weights_at=weights_at,
+    )  # fmt: skip
 
 
 def _bank_padded(slots: int) -> int:

@@ -156,11 +156,13 @@ def test_instance_table_covers_every_width():
     for seq in ("false", "true"):
         assert f"fwd_time<{t}, 4, {seq}, 8, 1>" in names
         assert f"fwd_time<{t}, 17, {seq}, 2, 4>" in names
-        assert f"fwd_time<{t}, 18, {seq}, 8, 1>" not in names  # wider: fwd_time_wide
+        assert f"fwd_time<{t}, 18, {seq}, 8, 1>" not in names  # wider: fwd_time_wide, fwd_mma
         assert f"fwd_time_wide<{t}, {seq}>" in names
         assert f"fwd_channel<{t}, 8, {seq}, 16, 8>" in names
         assert f"fwd_channel<{t}, 9, {seq}, 16, 8>" not in names  # wider: the others
-    assert f"fwd_mma<{t}, 9>" in names and f"fwd_mma<{t}, 10>" not in names
+    for split in ("false", "true"):  # widths 9 to 256 on tensor cores: KS 2 to 17
+        assert f"fwd_mma<{t}, 2, {split}>" in names and f"fwd_mma<{t}, 17, {split}>" in names
+        assert not {f"fwd_mma<{t}, 1, {split}>", f"fwd_mma<{t}, 18, {split}>"} & names
     for source, group in instances.items():  # each instance in its family's file
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name

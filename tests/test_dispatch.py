@@ -250,28 +250,70 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
 @pytest.mark.parametrize(
     "xdtype,wdtype,init,width,name",
     [
-        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5>"),
-        (
-            np.float16,
-            np.float32,
-            None,
-            64,
-            "fwd_time_wide<__half, false>",
-        ),  # float16 x: same weights
+        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5, false>"),
+        (np.float16, np.float32, None, 64, "fwd_time_wide<__half, false>"),  # float16: same weights
         (np.float16, np.float16, np.float32, 64, "fwd_time_wide<__half, false>"),  # wider states
-        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3>"),
-        (np.float16, np.float16, None, 129, "fwd_mma<__half, 9>"),
-        (np.float16, np.float16, None, 130, "fwd_time_wide<__half, false>"),
+        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3, false>"),
+        (np.float16, np.float16, None, 9, "fwd_mma<__half, 2, false>"),
+        (np.float16, np.float16, None, 8, "fwd_time<__half, 8, false, 2, 4>"),
+        (np.float16, np.float16, None, 256, "fwd_mma<__half, 17, false>"),
         (np.float32, np.float32, None, 64, "fwd_time_wide<float, false>"),
     ],
 )
-def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name):
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, layout):
+    """Widths from MMA_MIN_WIDTH of 16-bit x take fwd_mma on both layouts where it is exact
+    (float16 x with float16 weights, states of x's dtype), with the tile layout the plan
+    describes."""
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
+    if layout == "cl":
+        x = channel_last(2, 8, 300, dtype=xdtype)
+        if not name.startswith("fwd_mma"):
+            name = name.replace("fwd_time_wide", "fwd_channel_wide").replace(", false>", ">")
+        if width == 8:
+            name = "fwd_channel<__half, 8, false, 16, 8>"
     states = None if init is None else FakeCudaArray((2, 8, width - 1), dtype=init)
     cupyconv.causal_conv1d_fn(x, FakeCudaArray((8, width), dtype=wdtype), initial_states=states)
-    ((launched, plan, _),) = launches
+    ((launched, plan, params),) = launches
     assert launched == name
-    assert plan.smem == 0 if launched.startswith("fwd_mma") else plan.smem > 0  # mma: static
+    if launched.startswith("fwd_mma"):
+        fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
+        assert fields["channel_last"] == (layout == "cl")
+        rows = _forward_plan.CONSTANTS["MMA_CL_ROWS" if layout == "cl" else "MMA_WARPS"]
+        d = 16 * (_forward_plan._mma_steps(width) - 1)
+        assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
+        assert fields["row_len"] == d + fields["span"] + (4 if layout == "cl" else 0)
+        assert fields["weights_at"] >= rows * fields["row_len"] * 2
+        taps = _forward_plan.CONSTANTS["MMA_WARPS"] * (2 * d + 32) * 4
+        assert plan.smem == fields["weights_at"] + taps
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize(
+    "wdtype,width,name",
+    [
+        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true>"),
+        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true>"),
+        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false>"),
+        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false>"),
+    ],
+)
+def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, layout):
+    """bfloat16 x takes fwd_mma with any weights: split in two parts when they are wider."""
+    import ml_dtypes
+
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 8)
+    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: SM90_SMEM)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    strides = (64 * 4096, 1, 64) if layout == "cl" else (64 * 4096, 4096, 1)
+    x = _arrays.Array(None, "fake", 0, 1 << 32, (2, 64, 4096), strides, bf16)
+    w = _arrays.Array(None, "fake", 0, 2 << 32, (64, width), (width, 1), np.dtype(dtypes[wdtype]))
+    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    assert plan.name == name
+    fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
+    assert fields["channel_last"] == (layout == "cl") and fields["x_aligned"] == 1
 
 
 def test_fast_divisor_is_exact():
@@ -302,9 +344,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("limit", (SM90_SMEM, SM80_SMEM, SM86_SMEM), ids=("sm90", "sm80", "sm86"))
 def test_every_launch_fits_the_device(launches, monkeypatch, limit):
-    """Every width 1..256 x layout x dtype (bfloat16 plans as float16) x short and long rows:
-    the block's dynamic shared memory within the device's opt-in limit, at most 1024 threads,
-    1 <= grid < 2**31; where the channel-last wide tile would not fit, the general kernel."""
+    """Every width 1..256 x layout x dtype (bfloat16 plans as float16; weights of x's dtype, so
+    16-bit x takes fwd_mma from MMA_MIN_WIDTH on) x short and long rows: the block's dynamic
+    shared memory within the device's opt-in limit, at most 1024 threads, 1 <= grid < 2**31;
+    where the channel-last wide tile would not fit, the general kernel."""
     monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
     fallbacks = 0
     for dtype in (np.float32, np.float16, np.float64):
@@ -313,7 +356,8 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
                 for width in range(1, 257):
                     launches.clear()
                     x = make(2, 40, seqlen, dtype)
-                    cupyconv.causal_conv1d_fn(x, weight(40, width), activation="silu")
+                    w = FakeCudaArray((40, width), dtype=dtype)
+                    cupyconv.causal_conv1d_fn(x, w, activation="silu")
                     ((name, plan, _),) = launches
                     where = f"{layout} {np.dtype(dtype)} L={seqlen} width {width}: {name}"
                     assert plan.smem <= limit, where

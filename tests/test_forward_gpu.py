@@ -258,15 +258,19 @@ def test_dtype_pairs(dtype, wdtype, layout):
         ("float16", "float16"),
     ],
 )
-@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+@pytest.mark.parametrize(
+    "layout", ("cf", "cf_slice", "misaligned", "cl", "cl_slice", "misaligned_cl")
+)
 def test_tensor_core_widths(dtype, wdtype, layout):
-    """Widths 18 to 129 of 16-bit x run on tensor cores (fwd_mma): weights split in two parts
-    when wider than x, row starts with and without states, partial and one-step tiles."""
-    cases = itertools.product((18, 33, 64, 65, 100, 129), ((2, 5, 300), (1, 3, 2048), (2, 2, 1)))
-    for i, (width, (b, c, length)) in enumerate(cases):
+    """Widths 9 to 256 of 16-bit x run on tensor cores (fwd_mma) on both layouts: weights split
+    in two parts when wider than x, row starts with and without states, partial and one-step
+    tiles, a row of several tiles, channel-last tiles past the last channel."""
+    widths = (9, 16, 17, 18, 33, 64, 65, 100, 129, 130, 200, 256)
+    shapes = ((2, 5, 300), (1, 3, 2600), (2, 2, 1), (1, 37, 1100))
+    for i, (width, (b, c, length)) in enumerate(itertools.product(widths, shapes)):
         run_case(
             b, c, length, width, dtype, wdtype, layout=layout, init=i % 2 == 0, final=i % 3 == 0,
-            seed=i,
+            silu=i % 4 != 3, seed=i,
         )  # fmt: skip
 
 
@@ -747,9 +751,10 @@ def test_non_finite_values_stay_in_their_segment(layout, width, dtype):
     assert_close(final, want_final, dtype, name="final_states")
 
 
+@pytest.mark.parametrize("layout", ("cf", "cl"))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
-@pytest.mark.parametrize("width", (20, 33, 64, 129, 200), ids=lambda k: f"width{k}")
-def test_non_finite_inputs_reach_only_their_taps(width, dtype):
+@pytest.mark.parametrize("width", (9, 20, 33, 64, 129, 200, 256), ids=lambda k: f"width{k}")
+def test_non_finite_inputs_reach_only_their_taps(width, dtype, layout):
     """Without seq_idx too: the wide kernels (tensor cores, zero-padded taps) must not let an inf
     or NaN reach an output whose width taps do not include it."""
     rng = np.random.default_rng(width)
@@ -759,7 +764,8 @@ def test_non_finite_inputs_reach_only_their_taps(width, dtype):
     x64[1, 4, 2999] = -np.inf
     w64 = rounded(rng, (5, width), dtype, scale=width**-0.5)
     b64 = rounded(rng, (5,), dtype)
-    out = cupyconv.causal_conv1d_fn(to_gpu(x64, dtype), to_gpu(w64, dtype), to_gpu(b64, dtype))
+    x = to_gpu(x64, dtype, layout)
+    out = cupyconv.causal_conv1d_fn(x, to_gpu(w64, dtype), to_gpu(b64, dtype))
     want = reference.causal_conv1d_fn(x64, w64, b64)
     got = out.double().cpu().numpy()
     finite = np.isfinite(want)
