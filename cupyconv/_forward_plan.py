@@ -268,10 +268,10 @@ def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
 
     span = min(MMA_CL_SPAN if channel_last else MMA_SPAN, -(-seqlen // step) * step)
     while span > step and layout(span)[2] > shared_memory_limit(device):
-        span //= 2
+        span = span // 2 // step * step
     resident = resident_blocks(device, MMA.source, name, threads, layout(span)[2])
     while span > step and batch * groups * -(-seqlen // span) < 2 * resident:
-        span //= 2
+        span = span // 2 // step * step
     row_len, weights_at, smem = layout(span)
     resident_blocks(device, MMA.source, name, threads, smem)  # allows the shared memory
     tiles = batch * groups * -(-seqlen // span)

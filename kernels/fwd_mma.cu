@@ -256,29 +256,33 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
             // bank conflicts.
             const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
             constexpr int STEP = MMA_WARPS * 16;
-            const bool whole = x_aligned && w0 >= 0 && w0 + n_in <= seqlen && c0 + MMA_CL_ROWS <= dim;
-            if (whole) {
-                const T* xb = x + b * p.x_batch_stride + c0 + 8 * h;
-                #pragma unroll 1
-                for (int i = i0; i < n_in; i += 4 * STEP) {  // four loads in flight, then their stores
-                    Vec<T> v[4];
-                    #pragma unroll
-                    for (int u = 0; u < 4; ++u)
-                        if (i + u * STEP < n_in)
-                            v[u].raw = __ldg(reinterpret_cast<const uint4*>(xb + (w0 + i + u * STEP) * p.x_l_stride));
-                    #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        if (i + u * STEP >= n_in) break;
-                        #pragma unroll
-                        for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + i + u * STEP] = v[u].e[q];
-                    }
+            // A step's 8 channels move as one vector where they lie in the row and the tile's
+            // channels; element by element before the row (states) or where x is not aligned.
+            const bool vectors = x_aligned && c0 + 8 * h + VN <= dim;
+            const T* xb = x + b * p.x_batch_stride + c0 + 8 * h;
+            #pragma unroll 1
+            for (int i = i0; i < n_in; i += 4 * STEP) {  // four loads in flight, then their stores
+                Vec<T> v[4];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int64 pos = w0 + i + u * STEP;
+                    v[u].raw = make_uint4(0, 0, 0, 0);
+                    if (vectors && pos >= 0 && pos < seqlen && i + u * STEP < n_in)
+                        v[u].raw = __ldg(reinterpret_cast<const uint4*>(xb + pos * p.x_l_stride));
                 }
-            } else {
-                #pragma unroll 1
-                for (int i = i0; i < n_in; i += STEP) {
-                    #pragma unroll 1
-                    for (int q = 0; q < VN; ++q)
-                        rows[(8 * h + q) * row_len + i] = window_input(x, initial_states, p, b, c0 + 8 * h + q, w0 + i);
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int iu = i + u * STEP;
+                    const int64 pos = w0 + iu;
+                    if (iu >= n_in) break;
+                    if (vectors && (pos >= 0 || pos < -(p.width - 1) || !initial_states)) {
+                        #pragma unroll
+                        for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + iu] = v[u].e[q];
+                    } else {
+                        #pragma unroll 1
+                        for (int q = 0; q < VN; ++q)
+                            rows[(8 * h + q) * row_len + iu] = window_input(x, initial_states, p, b, c0 + 8 * h + q, pos);
+                    }
                 }
             }
             __syncthreads();
@@ -294,7 +298,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
             }
             __syncthreads();
             T* const ob = out + b * p.out_batch_stride + (c0 + 8 * h) * p.out_c_stride;
-            const bool whole_out = out_aligned && c0 + MMA_CL_ROWS <= dim;
+            const bool whole_out = out_aligned && c0 + 8 * h + VN <= dim;
             #pragma unroll 2
             for (int i = i0; i < n_out; i += STEP) {
                 Vec<T> v;
