@@ -250,34 +250,39 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
 
 
 def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
-    """A tile of MMA_WARPS rows (MMA_CL_ROWS channels of channel-contiguous x) spans up to
-    MMA_SPAN (MMA_CL_SPAN) outputs, less while the tiles would not fill the device. The block's
-    shared memory: each row's window (D inputs before the tile, then the tile; channel-contiguous
-    rows padded to 4 mod 8 elements against bank conflicts), then each warp's zero-padded taps
-    (2 D + 32 floats)."""
+    """Time-contiguous x: each warp of a persistent grid takes rows of up to MMA_SPAN outputs in
+    turn, two rows of shared memory a warp (one computed while the next is staged).
+    Channel-contiguous x: a block takes tiles of MMA_CL_ROWS channels x up to MMA_CL_SPAN steps.
+    Spans shrink while the work would not fill the device twice over, or the block's shared
+    memory would not fit. The block's shared memory: the rows (D inputs before the span, then
+    the span; channel-contiguous rows padded to 4 mod 8 elements against bank conflicts), then
+    each warp's zero-padded taps (2 D + 32 floats)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_mma_steps(width) - 1)
-    step, threads = CONSTANTS["MMA_SPAN_STEP"], 32 * CONSTANTS["MMA_WARPS"]
-    rows = CONSTANTS["MMA_CL_ROWS"] if channel_last else CONSTANTS["MMA_WARPS"]
-    groups = -(-dim // rows)
+    step, warps = CONSTANTS["MMA_SPAN_STEP"], CONSTANTS["MMA_WARPS"]
+    rows = CONSTANTS["MMA_CL_ROWS"] if channel_last else 2 * warps
+    per_block = CONSTANTS["MMA_CL_ROWS"] if channel_last else warps  # rows computed at once
 
     def layout(span):
         row_len = d + span + (4 if channel_last else 0)
         weights_at = -(-rows * row_len * 2 // 16) * 16
-        return row_len, weights_at, weights_at + CONSTANTS["MMA_WARPS"] * (2 * d + 32) * 4
+        return row_len, weights_at, weights_at + warps * (2 * d + 32) * 4
+
+    def blocks(span):  # blocks' worth of work
+        return batch * -(-dim // per_block) * -(-seqlen // span)
 
     span = min(MMA_CL_SPAN if channel_last else MMA_SPAN, -(-seqlen // step) * step)
     while span > step and layout(span)[2] > shared_memory_limit(device):
         span = span // 2 // step * step
-    resident = resident_blocks(device, MMA.source, name, threads, layout(span)[2])
-    while span > step and batch * groups * -(-seqlen // span) < 2 * resident:
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[2])
+    while span > step and blocks(span) < 2 * resident:
         span = span // 2 // step * step
     row_len, weights_at, smem = layout(span)
-    resident_blocks(device, MMA.source, name, threads, smem)  # allows the shared memory
-    tiles = batch * groups * -(-seqlen // span)
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
+    grid = blocks(span) if channel_last else min(blocks(span), resident)
     along = 1 if channel_last else 2
     return MMA.launch(
-        name, min(tiles, MAX_GRID), (threads, 1), smem,
+        name, min(grid, MAX_GRID), (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
         channel_last=int(channel_last), span=span, row_len=row_len, weights_at=weights_at,
     )  # fmt: skip

@@ -69,46 +69,58 @@ struct RowWeights {
     float bias;
 };
 
-// Zero-padded taps of a row as floats, per warp: wpad[MMA_TAP_PAD + k] = w[k].
+// A row's taps pass through the warp's wpad, SIZE floats: wpad[PAD + k] = w[k], zeros around
+// them (written once). A lane holds up to N taps of the next row in registers (k = lane + 32 j)
+// while the warp computes the current one.
 template <int KS>
 struct Taps {
-    static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32;
-};
+    static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32, N = (D + 32) / 32;
+    float next[N], bias;
 
-// The weights of channel c, through the warp's wpad (Taps<KS>::SIZE floats).
-template <typename T, int KS, bool SPLIT, typename P>
-__device__ __forceinline__ void load_row_weights(RowWeights<KS, SPLIT>& rw, float* wpad, const void* weight,
-                                                 const void* bias, const P& p, int64 c) {
-    constexpr int D = Taps<KS>::D, PAD = Taps<KS>::PAD;
-    const int width = (int)p.width, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    for (int i = lane; i < Taps<KS>::SIZE; i += 32) {
-        const int k = i - PAD;
-        wpad[i] = k >= 0 && k < width
-                      ? load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride)
-                      : 0.f;
+    __device__ __forceinline__ static void zero(float* wpad) {
+        for (int i = threadIdx.x & 31; i < SIZE; i += 32) wpad[i] = 0.f;
     }
-    rw.bias = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
-    __syncwarp();
-    // Element (row i, k) of k-step s: output o = 2 (i mod 8) + i / 8, input e of the
-    // segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h).
-    const float* wl = wpad + PAD + 4 * tg - 2 * g - (D - width + 1);  // + 16 s + e' - o'
-    #pragma unroll
-    for (int s = 0; s < KS; ++s) {
+    // Issues the loads of channel c's taps and bias.
+    template <typename P>
+    __device__ __forceinline__ void fetch(const void* weight, const void* bias_p, const P& p, int64 c) {
+        const int lane = threadIdx.x & 31, width = (int)p.width, code = (int)p.weight_dtype;
+        const int64 at = c * p.weight_c_stride + lane * p.weight_width_stride;
         #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // a0: (g, k lo), a1: (g+8, k lo), a2: (g, k hi), a3: (g+8, k hi)
-            const float* q = wl + 16 * s + 2 * (r >> 1) - (r & 1);
-            const float v0 = q[0], v1 = q[1];
-            rw.hi[s][r] = pack2<T>(v0, v1);
-            if constexpr (SPLIT) rw.lo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));
+        for (int j = 0; j < N; ++j)
+            next[j] = lane + 32 * j < width ? load_as<float>(weight, code, at + 32 * j * p.weight_width_stride) : 0.f;
+        bias = bias_p ? load_as<float>(bias_p, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+    }
+    // Writes the fetched taps into wpad and builds their A fragments.
+    template <typename T, bool SPLIT>
+    __device__ __forceinline__ void install(RowWeights<KS, SPLIT>& rw, float* wpad, int width) const {
+        const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+        __syncwarp();  // the previous row's own_taps has read wpad
+        #pragma unroll
+        for (int j = 0; j < N; ++j)
+            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = next[j];
+        rw.bias = bias;
+        __syncwarp();
+        // Element (row i, k) of k-step s: output o = 2 (i mod 8) + i / 8, input e of the
+        // segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h).
+        const float* wl = wpad + PAD + 4 * tg - 2 * g - (D - width + 1);  // + 16 s + e' - o'
+        #pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {  // a0: (g, k lo), a1: (g+8, k lo), a2: (g, k hi), a3: (g+8, k hi)
+                const float* q = wl + 16 * s + 2 * (r >> 1) - (r & 1);
+                const float v0 = q[0], v1 = q[1];
+                rw.hi[s][r] = pack2<T>(v0, v1);
+                if constexpr (SPLIT) rw.lo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));
+            }
         }
     }
-}
+};
 
 // The n_blocks 128-output blocks of one row whose window (positions t0 - D ..) is at `row`:
 // each block's outputs overwrite its first 128 inputs. Returns whether this lane saw a sum
 // that is not finite.
-template <typename T, int KS, bool SPLIT>
-__device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeights<KS, SPLIT>& rw, int silu_act) {
+template <typename T, int KS, bool SPLIT, bool SILU>
+__device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeights<KS, SPLIT>& rw) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const uint2* in = reinterpret_cast<const uint2*>(row) + 4 * g + tg;
     unsigned* res = reinterpret_cast<unsigned*>(row) + 16 * tg + g;  // pairs of T
@@ -140,7 +152,7 @@ __device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeigh
         for (int j = 0; j < CHAINS; ++j) {
             // (a sum is not finite if one of its terms is not: one test for four outputs)
             nonfinite |= !isfinite((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
-            if (silu_act) {
+            if constexpr (SILU) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[j][r] = silu(acc[j][r]);
             }
@@ -151,9 +163,9 @@ __device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeigh
     return nonfinite;
 }
 
-// Recomputes, from its width taps alone (wpad, as load_row_weights left it; inputs from x),
-// each of a row's first n_out outputs at `outputs` (output t0 + o at o) that is not finite;
-// this lane takes every 32nd. Out of line: it is rarely called.
+// Recomputes, from its width taps alone (wpad; inputs from x), each of a row's first n_out
+// outputs at `outputs` (output t0 + o at o) that is not finite; this lane takes every 32nd.
+// Out of line: it is rarely called.
 template <typename T, int KS, typename P>
 __device__ __noinline__ void own_taps(T* outputs, int n_out, const float* wpad, float bias, const T* x,
                                       const void* initial_states, const P& p, int64 b, int64 c, int64 t0) {
@@ -167,6 +179,22 @@ __device__ __noinline__ void own_taps(T* outputs, int n_out, const float* wpad, 
     }
 }
 
+// A row's outputs: its window at `row` after compute_row (the activation chosen at run time),
+// the non-finite ones computed again.
+template <typename T, int KS, bool SPLIT, typename P>
+__device__ __forceinline__ void row_outputs(T* row, int n_out, const RowWeights<KS, SPLIT>& rw, const float* wpad,
+                                            const T* x, const void* initial_states, const P& p, int64 b, int64 c,
+                                            int64 t0) {
+    const int n_blocks = (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * (MMA_SPAN_STEP / 128);
+    const bool nonfinite = p.silu_act ? compute_row<T, KS, SPLIT, true>(row, n_blocks, rw)
+                                      : compute_row<T, KS, SPLIT, false>(row, n_blocks, rw);
+    if (__any_sync(0xffffffffu, nonfinite)) {
+        __syncwarp();
+        own_taps<T, KS>(row, n_out, wpad, rw.bias, x, initial_states, p, b, c, t0);
+    }
+    __syncwarp();
+}
+
 // The input at position pos of row (b, c) for a window slot: x, the initial states, or 0
 // (before the states, past the row, past the last channel).
 template <typename T, typename P>
@@ -177,6 +205,11 @@ __device__ __forceinline__ T window_input(const T* x, const void* initial_states
                     : from_acc<T>(input_at<float>(x, initial_states, p, b, c, pos));
 }
 
+// Inputs of a row's window: whole groups of chains past the outputs (zeros past the row).
+__device__ __forceinline__ int window_inputs(int D, int n_out) {
+    return D + (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * MMA_SPAN_STEP;
+}
+
 template <typename T, int KS, bool SPLIT>
 __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
@@ -184,135 +217,145 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
     constexpr int D = Taps<KS>::D;  // inputs before a row's first output
     constexpr int VN = 8;           // elements per 16-byte vector
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, row_len = p.row_len;
-    const int silu_act = (int)p.silu_act;
-    const bool channel_last = p.channel_last != 0, x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
+    const int width = (int)p.width;
+    const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* const rows = reinterpret_cast<T*>(smem_raw);  // the tile's rows, row_len elements each
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* const wpad = reinterpret_cast<float*>(smem_raw + p.weights_at) + warp * Taps<KS>::SIZE;
-    const int tile_rows = channel_last ? MMA_CL_ROWS : MMA_WARPS;
-    const int64 groups = (dim + tile_rows - 1) / tile_rows, spans = (seqlen + span - 1) / span;
-    const int64 n_tiles = batch * groups * spans;
+    Taps<KS>::zero(wpad);
+    const int64 spans = (seqlen + span - 1) / span;
+    Taps<KS> taps;
     RowWeights<KS, SPLIT> rw;
 
-    #pragma unroll 1
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
-        int64 bg, sp, b, grp;
-        divmod(tile, spans, bg, sp);
-        divmod(bg, groups, b, grp);
-        const int64 t0 = sp * span, w0 = t0 - D, c0 = grp * tile_rows;
-        const int n_out = (int)min(span, seqlen - t0);
-        // Whole groups of chains; the window past the row is zeros.
-        const int n_blocks = (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * (MMA_SPAN_STEP / 128);
-        const int n_in = D + 128 * n_blocks;
-        if (!channel_last) {
-            const int64 c = c0 + warp;
-            if (c >= dim) continue;
-            T* const row = rows + warp * row_len;
-            const T* xr = x + b * p.x_batch_stride + c * p.x_c_stride;
-            if (x_aligned && w0 >= 0 && w0 + n_in <= seqlen) {
+    if (!p.channel_last) {
+        // Time-contiguous x: warp w of the grid takes rows (b, c) x spans w, w + warps, ...,
+        // each staged into one of its two rows while it computes the other.
+        const int64 n_items = batch * dim * spans, n_warps = main_warps(p);
+        T* const bufs = rows + 2 * warp * row_len;
+        // Stages item i's window into bufs + st row_len (always commits one cp.async group).
+        auto stage = [&](int64 i, int st) {
+            if (i < n_items) {
+                int64 bc, sp;
+                divmod(i, spans, bc, sp);
+                const int64 b = bc / dim, c = bc - b * dim, w0 = sp * span - D;
+                const int n_in = window_inputs(D, (int)min(span, seqlen - sp * span));
+                T* const row = bufs + st * row_len;
+                const T* xr = x + b * p.x_batch_stride + c * p.x_c_stride;
+                // vectors [0, v0): before the row; [v0, v1): whole vectors of the row (aligned x)
+                const int v0 = w0 < 0 ? (int)(-w0 / VN) : 0;
+                const int v1 = x_aligned ? (int)min((int64)n_in / VN, (seqlen - w0) / VN) : v0;
+                for (int v = lane; v < v0; v += 32) {
+                    #pragma unroll 1
+                    for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, w0 + v * VN + q);
+                }
                 #pragma unroll 4
-                for (int v = lane; v < n_in / VN; v += 32) cp_async<16>(row + v * VN, xr + w0 + v * VN, 16);
-            } else {
-                #pragma unroll 1
-                for (int v = lane; v < n_in / VN; v += 32) {
+                for (int v = v0 + lane; v < v1; v += 32) cp_async<16>(row + v * VN, xr + w0 + v * VN, 16);
+                for (int v = v1 + lane; v < n_in / VN; v += 32) {
                     const int64 pos = w0 + (int64)v * VN;
-                    if (x_aligned && pos >= 0 && pos < seqlen) {
-                        cp_async<16>(row + v * VN, xr + pos, (int)min((int64)VN, seqlen - pos) * (int)sizeof(T));
+                    if (x_aligned && pos < seqlen) {
+                        cp_async<16>(row + v * VN, xr + pos, (int)(seqlen - pos) * (int)sizeof(T));
                     } else {
                         #pragma unroll 1
                         for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, pos + q);
                     }
                 }
+                taps.fetch(weight, bias, p, c);
             }
             cp_async_commit();
-            load_row_weights<T, KS, SPLIT>(rw, wpad, weight, bias, p, c);  // while the copy flies
-            cp_async_wait<0>();
+        };
+        int64 item = grid_warp();
+        stage(item, 0);
+        #pragma unroll 1
+        for (int st = 0; item < n_items; item += n_warps, st ^= 1) {
+            taps.template install<T, SPLIT>(rw, wpad, width);
+            stage(item + n_warps, st ^ 1);  // also fetches the next row's taps
+            cp_async_wait<1>();
             __syncwarp();
-            if (__any_sync(0xffffffffu, compute_row<T, KS, SPLIT>(row, n_blocks, rw, silu_act))) {
-                __syncwarp();
-                own_taps<T, KS>(row, n_out, wpad, rw.bias, x, initial_states, p, b, c, t0);
-            }
-            __syncwarp();
-            T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride;
-            #pragma unroll 2
-            for (int v = lane; v * VN < n_out; v += 32) {
-                const int64 t = t0 + (int64)v * VN;
-                const uint4 val = reinterpret_cast<const uint4*>(row)[v];
-                if (out_aligned && t + VN <= seqlen) {
-                    *reinterpret_cast<uint4*>(orow + t) = val;
-                } else {
-                    const T* e = reinterpret_cast<const T*>(&val);
-                    #pragma unroll
-                    for (int q = 0; q < VN; ++q)
-                        if (t + q < seqlen) orow[(t + q) * p.out_l_stride] = e[q];
-                }
-            }
-            __syncwarp();  // the row and wpad are free again
-        } else {
-            // Lane (i, h) of a warp moves the 8 channels 8 h .. 8 h + 7 of the tile at window
-            // position i: two lanes a step of 16 channels (32 bytes). Row r of the tile is
-            // channel c0 + r; p.row_len = 4 mod 8 keeps the transposing accesses free of
-            // bank conflicts.
-            const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
-            constexpr int STEP = MMA_WARPS * 16;
-            // A step's 8 channels move as one vector where they lie in the row and the tile's
-            // channels; element by element before the row (states) or where x is not aligned.
-            const bool vectors = x_aligned && c0 + 8 * h + VN <= dim;
-            const T* xb = x + b * p.x_batch_stride + c0 + 8 * h;
-            #pragma unroll 1
-            for (int i = i0; i < n_in; i += 4 * STEP) {  // four loads in flight, then their stores
-                Vec<T> v[4];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int64 pos = w0 + i + u * STEP;
-                    v[u].raw = make_uint4(0, 0, 0, 0);
-                    if (vectors && pos >= 0 && pos < seqlen && i + u * STEP < n_in)
-                        v[u].raw = __ldg(reinterpret_cast<const uint4*>(xb + pos * p.x_l_stride));
-                }
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int iu = i + u * STEP;
-                    const int64 pos = w0 + iu;
-                    if (iu >= n_in) break;
-                    if (vectors && (pos >= 0 || pos < -(p.width - 1) || !initial_states)) {
-                        #pragma unroll
-                        for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + iu] = v[u].e[q];
-                    } else {
-                        #pragma unroll 1
-                        for (int q = 0; q < VN; ++q)
-                            rows[(8 * h + q) * row_len + iu] = window_input(x, initial_states, p, b, c0 + 8 * h + q, pos);
-                    }
-                }
-            }
-            __syncthreads();
-            #pragma unroll 1
-            for (int r = warp; r < MMA_CL_ROWS && c0 + r < dim; r += MMA_WARPS) {
-                T* const row = rows + r * row_len;
-                load_row_weights<T, KS, SPLIT>(rw, wpad, weight, bias, p, c0 + r);
-                if (__any_sync(0xffffffffu, compute_row<T, KS, SPLIT>(row, n_blocks, rw, silu_act))) {
-                    __syncwarp();
-                    own_taps<T, KS>(row, n_out, wpad, rw.bias, x, initial_states, p, b, c0 + r, t0);
-                }
-                __syncwarp();  // wpad is free again
-            }
-            __syncthreads();
-            T* const ob = out + b * p.out_batch_stride + (c0 + 8 * h) * p.out_c_stride;
-            const bool whole_out = out_aligned && c0 + 8 * h + VN <= dim;
-            #pragma unroll 2
-            for (int i = i0; i < n_out; i += STEP) {
-                Vec<T> v;
-                #pragma unroll
-                for (int q = 0; q < VN; ++q) v.e[q] = rows[(8 * h + q) * row_len + i];
-                if (whole_out) {
-                    *reinterpret_cast<uint4*>(ob + (t0 + i) * p.out_l_stride) = v.raw;
-                } else {
-                    #pragma unroll
-                    for (int q = 0; q < VN; ++q)
-                        if (c0 + 8 * h + q < dim) ob[q * p.out_c_stride + (t0 + i) * p.out_l_stride] = v.e[q];
-                }
-            }
-            __syncthreads();  // the rows are free again
+            int64 bc, sp;
+            divmod(item, spans, bc, sp);
+            const int64 b = bc / dim, c = bc - b * dim, t0 = sp * span;
+            const int n_out = (int)min(span, seqlen - t0);
+            T* const row = bufs + st * row_len;
+            row_outputs<T, KS, SPLIT>(row, n_out, rw, wpad, x, initial_states, p, b, c, t0);
+            T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride + t0 * p.out_l_stride;
+            const int full = out_aligned ? n_out / VN : 0;
+            #pragma unroll 4
+            for (int v = lane; v < full; v += 32)
+                reinterpret_cast<uint4*>(orow)[v] = reinterpret_cast<const uint4*>(row)[v];
+            for (int o = full * VN + lane; o < n_out; o += 32) orow[o * p.out_l_stride] = row[o];
+            __syncwarp();  // the row is free again
         }
+        cp_async_wait<0>();
+        return;
+    }
+
+    // Channel-contiguous x: a block takes tiles of MMA_CL_ROWS channels x span steps in turn.
+    // Lane (i, h) of a warp moves the 8 channels 8 h .. 8 h + 7 of the tile at window position
+    // i: two lanes a step of 16 channels (32 bytes). Row r of the tile is channel c0 + r;
+    // p.row_len = 4 mod 8 keeps the transposing accesses free of bank conflicts.
+    const int64 groups = (dim + MMA_CL_ROWS - 1) / MMA_CL_ROWS, n_tiles = batch * groups * spans;
+    const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
+    constexpr int STEP = MMA_WARPS * 16;
+    #pragma unroll 1
+    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
+        int64 bg, sp;
+        divmod(tile, spans, bg, sp);
+        const int64 b = bg / groups, c0 = (bg - b * groups) * MMA_CL_ROWS, t0 = sp * span, w0 = t0 - D;
+        const int n_out = (int)min(span, seqlen - t0), n_in = window_inputs(D, n_out);
+        if (c0 + warp < dim) taps.fetch(weight, bias, p, c0 + warp);  // with the tile's inputs
+        // A step's 8 channels move as one vector where they lie in the row and the tile's
+        // channels; element by element before the row (states) or where x is not aligned.
+        const bool vectors = x_aligned && c0 + 8 * h + VN <= dim;
+        const T* xb = x + b * p.x_batch_stride + c0 + 8 * h;
+        #pragma unroll 1
+        for (int i = i0; i < n_in; i += 4 * STEP) {  // four loads in flight, then their stores
+            Vec<T> v[4];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int64 pos = w0 + i + u * STEP;
+                v[u].raw = make_uint4(0, 0, 0, 0);
+                if (vectors && pos >= 0 && pos < seqlen && i + u * STEP < n_in)
+                    v[u].raw = __ldg(reinterpret_cast<const uint4*>(xb + pos * p.x_l_stride));
+            }
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int iu = i + u * STEP;
+                const int64 pos = w0 + iu;
+                if (iu >= n_in) break;
+                if (vectors && (pos >= 0 || pos < -(width - 1) || !initial_states)) {
+                    #pragma unroll
+                    for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + iu] = v[u].e[q];
+                } else {
+                    #pragma unroll 1
+                    for (int q = 0; q < VN; ++q)
+                        rows[(8 * h + q) * row_len + iu] = window_input(x, initial_states, p, b, c0 + 8 * h + q, pos);
+                }
+            }
+        }
+        __syncthreads();
+        #pragma unroll 1
+        for (int r = warp; r < MMA_CL_ROWS && c0 + r < dim; r += MMA_WARPS) {
+            taps.template install<T, SPLIT>(rw, wpad, width);
+            if (r + MMA_WARPS < MMA_CL_ROWS && c0 + r + MMA_WARPS < dim) taps.fetch(weight, bias, p, c0 + r + MMA_WARPS);
+            row_outputs<T, KS, SPLIT>(rows + r * row_len, n_out, rw, wpad, x, initial_states, p, b, c0 + r, t0);
+        }
+        __syncthreads();
+        T* const ob = out + b * p.out_batch_stride + (c0 + 8 * h) * p.out_c_stride;
+        const bool whole_out = out_aligned && c0 + 8 * h + VN <= dim;
+        #pragma unroll 2
+        for (int i = i0; i < n_out; i += STEP) {
+            Vec<T> v;
+            #pragma unroll
+            for (int q = 0; q < VN; ++q) v.e[q] = rows[(8 * h + q) * row_len + i];
+            if (whole_out) {
+                *reinterpret_cast<uint4*>(ob + (t0 + i) * p.out_l_stride) = v.raw;
+            } else {
+                #pragma unroll
+                for (int q = 0; q < VN; ++q)
+                    if (c0 + 8 * h + q < dim) ob[q * p.out_c_stride + (t0 + i) * p.out_l_stride] = v.e[q];
+            }
+        }
+        __syncthreads();  // the rows are free again
     }
 }

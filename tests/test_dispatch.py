@@ -279,12 +279,13 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, l
     if launched.startswith("fwd_mma"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
         assert fields["channel_last"] == (layout == "cl")
-        rows = _forward_plan.CONSTANTS["MMA_CL_ROWS" if layout == "cl" else "MMA_WARPS"]
+        warps = _forward_plan.CONSTANTS["MMA_WARPS"]
+        rows = _forward_plan.CONSTANTS["MMA_CL_ROWS"] if layout == "cl" else 2 * warps
         d = 16 * (_forward_plan._mma_steps(width) - 1)
         assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
         assert fields["row_len"] == d + fields["span"] + (4 if layout == "cl" else 0)
         assert fields["weights_at"] >= rows * fields["row_len"] * 2
-        taps = _forward_plan.CONSTANTS["MMA_WARPS"] * (2 * d + 32) * 4
+        taps = warps * (2 * d + 32) * 4
         assert plan.smem == fields["weights_at"] + taps
 
 
