@@ -69,13 +69,24 @@ struct RowWeights {
     float bias;
 };
 
+// The bits of a weight as fetched (a float64 one as float32) and the float they stand for.
+__device__ __forceinline__ unsigned raw_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
+__device__ __forceinline__ float raw_float(unsigned u, int code) {
+    return code == BF16 ? __uint_as_float(u << 16) : code == F16 ? __half2float(__ushort_as_half((unsigned short)u))
+                                                   : __uint_as_float(u);
+}
+
 // A row's taps pass through the warp's wpad, SIZE floats: wpad[PAD + k] = w[k], zeros around
-// them (written once). A lane holds up to N taps of the next row in registers (k = lane + 32 j)
-// while the warp computes the current one.
+// them (written once). A lane holds up to N taps of the next row in registers (k = lane + 32 j),
+// as loaded: they are converted only when installed, so the loads stay in flight while the
+// warp computes the current row.
 template <int KS>
 struct Taps {
     static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32, N = (D + 32) / 32;
-    float next[N], bias;
+    unsigned next[N], bias;
 
     __device__ __forceinline__ static void zero(float* wpad) {
         for (int i = threadIdx.x & 31; i < SIZE; i += 32) wpad[i] = 0.f;
@@ -83,22 +94,25 @@ struct Taps {
     // Issues the loads of channel c's taps and bias.
     template <typename P>
     __device__ __forceinline__ void fetch(const void* weight, const void* bias_p, const P& p, int64 c) {
-        const int lane = threadIdx.x & 31, width = (int)p.width, code = (int)p.weight_dtype;
-        const int64 at = c * p.weight_c_stride + lane * p.weight_width_stride;
-        #pragma unroll
-        for (int j = 0; j < N; ++j)
-            next[j] = lane + 32 * j < width ? load_as<float>(weight, code, at + 32 * j * p.weight_width_stride) : 0.f;
-        bias = bias_p ? load_as<float>(bias_p, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+        const int lane = threadIdx.x & 31, width = (int)p.width;
+        const int64 at = c * p.weight_c_stride + lane * p.weight_width_stride, step = 32 * p.weight_width_stride;
+        with_dtype(weight, (int)p.weight_dtype, [&](auto w) {
+            #pragma unroll
+            for (int j = 0; j < N; ++j) next[j] = lane + 32 * j < width ? raw_bits(w[at + j * step]) : 0u;
+        });
+        bias = 0u;
+        if (bias_p) with_dtype(bias_p, (int)p.bias_dtype, [&](auto q) { bias = raw_bits(q[c * p.bias_stride]); });
     }
     // Writes the fetched taps into wpad and builds their A fragments.
     template <typename T, bool SPLIT>
-    __device__ __forceinline__ void install(RowWeights<KS, SPLIT>& rw, float* wpad, int width) const {
+    __device__ __forceinline__ void install(RowWeights<KS, SPLIT>& rw, float* wpad, int width, int weight_code,
+                                            int bias_code) const {
         const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
         __syncwarp();  // the previous row's own_taps has read wpad
         #pragma unroll
         for (int j = 0; j < N; ++j)
-            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = next[j];
-        rw.bias = bias;
+            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = raw_float(next[j], weight_code);
+        rw.bias = raw_float(bias, bias_code);
         __syncwarp();
         // Element (row i, k) of k-step s: output o = 2 (i mod 8) + i / 8, input e of the
         // segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h).
@@ -218,6 +232,9 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
     constexpr int VN = 8;           // elements per 16-byte vector
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, row_len = p.row_len;
     const int width = (int)p.width;
+    // The taps' dtypes as raw_float reads them (float64 taps are fetched as float32).
+    const int weight_code = p.weight_dtype == F64 ? F32 : (int)p.weight_dtype;
+    const int bias_code = p.bias_dtype == F64 ? F32 : (int)p.bias_dtype;
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* const rows = reinterpret_cast<T*>(smem_raw);  // the tile's rows, row_len elements each
@@ -229,25 +246,43 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
     RowWeights<KS, SPLIT> rw;
 
     if (!p.channel_last) {
-        // Time-contiguous x: warp w of the grid takes rows (b, c) x spans w, w + warps, ...,
-        // each staged into one of its two rows while it computes the other.
-        const int64 n_items = batch * dim * spans, n_warps = main_warps(p);
+        // Time-contiguous x: warp w of the grid takes a run of items (c, b, span), each staged
+        // into one of its two rows while it computes the other; a channel's taps are fetched
+        // and installed once for its run of items.
+        const int64 n_items = dim * batch * spans, n_warps = main_warps(p);
+        const int64 first = grid_warp() * ((n_items + n_warps - 1) / n_warps);
+        const int64 end = min(first + (n_items + n_warps - 1) / n_warps, n_items);
         T* const bufs = rows + 2 * warp * row_len;
+        struct Item { int64 b, c, t0; bool first_of_channel; };
+        auto item_at = [&](int64 i) {
+            int64 cb, sp;
+            divmod(i, spans, cb, sp);
+            Item it;
+            it.c = cb / batch;
+            it.b = cb - it.c * batch;
+            it.t0 = sp * span;
+            it.first_of_channel = i == first || (it.b == 0 && sp == 0);
+            return it;
+        };
         // Stages item i's window into bufs + st row_len (always commits one cp.async group).
         auto stage = [&](int64 i, int st) {
-            if (i < n_items) {
-                int64 bc, sp;
-                divmod(i, spans, bc, sp);
-                const int64 b = bc / dim, c = bc - b * dim, w0 = sp * span - D;
-                const int n_in = window_inputs(D, (int)min(span, seqlen - sp * span));
+            if (i < end) {
+                const Item it = item_at(i);
+                const int64 b = it.b, c = it.c, w0 = it.t0 - D;
+                const int n_in = window_inputs(D, (int)min(span, seqlen - it.t0));
                 T* const row = bufs + st * row_len;
                 const T* xr = x + b * p.x_batch_stride + c * p.x_c_stride;
                 // vectors [0, v0): before the row; [v0, v1): whole vectors of the row (aligned x)
                 const int v0 = w0 < 0 ? (int)(-w0 / VN) : 0;
                 const int v1 = x_aligned ? (int)min((int64)n_in / VN, (seqlen - w0) / VN) : v0;
                 for (int v = lane; v < v0; v += 32) {
-                    #pragma unroll 1
-                    for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, w0 + v * VN + q);
+                    if (!initial_states) {
+                        reinterpret_cast<uint4*>(row)[v] = make_uint4(0, 0, 0, 0);
+                    } else {
+                        #pragma unroll 1
+                        for (int q = 0; q < VN; ++q)
+                            row[v * VN + q] = window_input(x, initial_states, p, b, c, w0 + v * VN + q);
+                    }
                 }
                 #pragma unroll 4
                 for (int v = v0 + lane; v < v1; v += 32) cp_async<16>(row + v * VN, xr + w0 + v * VN, 16);
@@ -260,25 +295,22 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
                         for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, pos + q);
                     }
                 }
-                taps.fetch(weight, bias, p, c);
+                if (it.first_of_channel) taps.fetch(weight, bias, p, c);
             }
             cp_async_commit();
         };
-        int64 item = grid_warp();
-        stage(item, 0);
+        stage(first, 0);
         #pragma unroll 1
-        for (int st = 0; item < n_items; item += n_warps, st ^= 1) {
-            taps.template install<T, SPLIT>(rw, wpad, width);
-            stage(item + n_warps, st ^ 1);  // also fetches the next row's taps
+        for (int64 i = first, st = 0; i < end; ++i, st ^= 1) {
+            const Item it = item_at(i);
+            if (it.first_of_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
+            stage(i + 1, (int)st ^ 1);  // also fetches the next channel's taps
             cp_async_wait<1>();
             __syncwarp();
-            int64 bc, sp;
-            divmod(item, spans, bc, sp);
-            const int64 b = bc / dim, c = bc - b * dim, t0 = sp * span;
-            const int n_out = (int)min(span, seqlen - t0);
+            const int n_out = (int)min(span, seqlen - it.t0);
             T* const row = bufs + st * row_len;
-            row_outputs<T, KS, SPLIT>(row, n_out, rw, wpad, x, initial_states, p, b, c, t0);
-            T* const orow = out + b * p.out_batch_stride + c * p.out_c_stride + t0 * p.out_l_stride;
+            row_outputs<T, KS, SPLIT>(row, n_out, rw, wpad, x, initial_states, p, it.b, it.c, it.t0);
+            T* const orow = out + it.b * p.out_batch_stride + it.c * p.out_c_stride + it.t0 * p.out_l_stride;
             const int full = out_aligned ? n_out / VN : 0;
             #pragma unroll 4
             for (int v = lane; v < full; v += 32)
@@ -336,7 +368,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
         __syncthreads();
         #pragma unroll 1
         for (int r = warp; r < MMA_CL_ROWS && c0 + r < dim; r += MMA_WARPS) {
-            taps.template install<T, SPLIT>(rw, wpad, width);
+            taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
             if (r + MMA_WARPS < MMA_CL_ROWS && c0 + r + MMA_WARPS < dim) taps.fetch(weight, bias, p, c0 + r + MMA_WARPS);
             row_outputs<T, KS, SPLIT>(rows + r * row_len, n_out, rw, wpad, x, initial_states, p, b, c0 + r, t0);
         }
