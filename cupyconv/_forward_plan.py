@@ -41,7 +41,8 @@ CONSTANTS = {
     "TIME_WIDE_BANK_RUN": 32,  # fwd_time_wide: a staged row gains TIME_WIDE_BANK_PAD slots
     "TIME_WIDE_BANK_PAD": 4,  # every TIME_WIDE_BANK_RUN slots (no bank conflicts)
     "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
-    "MMA_CL_ROWS": 16,  # fwd_mma: channels of a channel-contiguous tile (32 bytes a step)
+    "MMA_CL_WARPS": 16,  # fwd_mma: warps per block (channel-contiguous x: a channel each)
+    "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_CHANNELS": 32,  # fwd_channel_wide: channels per tile (one per lane)
@@ -50,8 +51,7 @@ CONSTANTS = {
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 MMA_MIN_WIDTH = 9  # fwd_mma (16-bit x, tensor cores, both layouts) from this width on
-# fwd_mma: most outputs a tile spans, for time-contiguous and channel-contiguous x.
-MMA_SPAN, MMA_CL_SPAN = 2048, 1024
+MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
 CHANNEL_MAX_WIDTH = 8  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -86,7 +86,7 @@ TIME = Kernel(
 )
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
-    (*_ALIGNED, "channel_last", "span", "row_len", "weights_at"),
+    (*_ALIGNED, "span", "row_len", "staging_at", "weights_at"),
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
@@ -111,8 +111,9 @@ SOURCES = bind_sources(
 def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
     """The dispatch table: the forward kernel (source, template instance) for each layout of x
     of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
-    TIME_SHORT_ROW bytes; "mma" (weights of x's dtype) and "mma_split" (other weights) replace
-    them and "channel" from MMA_MIN_WIDTH on where tensor cores are exact (``tensor_cores``);
+    TIME_SHORT_ROW bytes; "mma" and "mma_cl" ("mma_split", "mma_cl_split": weights of another
+    dtype) replace them and "channel" from MMA_MIN_WIDTH on where tensor cores are exact
+    (``tensor_cores``);
     "channel" serves channel-contiguous x in lane vectors; "general" any strides;
     "final_states" the final states."""
     t = C_TYPES[dtype]
@@ -128,9 +129,11 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
     if width >= MMA_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
-        table["mma"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}, false>")
-        if dtype == "bfloat16":
-            table["mma_split"] = (MMA, f"fwd_mma<{t}, {_mma_steps(width)}, true>")
+        ks = _mma_steps(width)
+        for cl, cl_kind in (("false", ""), ("true", "_cl")):
+            table["mma" + cl_kind] = (MMA, f"fwd_mma<{t}, {ks}, false, {cl}>")
+            if dtype == "bfloat16":
+                table["mma" + cl_kind + "_split"] = (MMA, f"fwd_mma<{t}, {ks}, true, {cl}>")
     if width <= CHANNEL_MAX_WIDTH:
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     elif not seq:
@@ -211,8 +214,9 @@ def _plan_forward(
     table = forward_kernels(x.dtype_name, width, has_seq)
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
-    if mma and mma in table and (time_major or x_c == 1):
-        return _plan_mma(x, out, width, table[mma][1], device, not time_major)
+    if mma and (time_major or x_c == 1):
+        kind = mma if time_major else mma.replace("mma", "mma_cl")
+        return _plan_mma(x, out, width, table[kind][1], device, not time_major)
     if time_major:
         if width > TIME_MAX_WIDTH:
             return _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize)
@@ -250,41 +254,46 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
 
 
 def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
-    """Time-contiguous x: each warp of a persistent grid takes rows of up to MMA_SPAN outputs in
-    turn, two rows of shared memory a warp (one computed while the next is staged).
-    Channel-contiguous x: a block takes tiles of MMA_CL_ROWS channels x up to MMA_CL_SPAN steps.
-    Spans shrink while the work would not fill the device twice over, or the block's shared
-    memory would not fit. The block's shared memory: the rows (D inputs before the span, then
-    the span; channel-contiguous rows padded to 4 mod 8 elements against bank conflicts), then
-    each warp's zero-padded taps (2 D + 32 floats)."""
+    """A persistent grid in which each warp (time-contiguous x: MMA_WARPS independent warps a
+    block, two rows of shared memory each, one computed while the next is staged) or block
+    (channel-contiguous x: MMA_CL_WARPS warps sharing a tile of as many channels) takes a run
+    of items: spans of up to MMA_SPAN (MMA_CL_SPAN) outputs of a row. Spans shrink while the
+    block's shared memory would not fit, or the items would not fill the device twice over. The
+    block's shared memory: the rows (D inputs before the span, then the span; channel-
+    contiguous rows padded to 4 mod 8 elements against bank conflicts), for channel-contiguous
+    x the staging area of the next item's window, then each warp's zero-padded taps (2 D + 32
+    floats)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_mma_steps(width) - 1)
-    step, warps = CONSTANTS["MMA_SPAN_STEP"], CONSTANTS["MMA_WARPS"]
-    rows = CONSTANTS["MMA_CL_ROWS"] if channel_last else 2 * warps
-    per_block = CONSTANTS["MMA_CL_ROWS"] if channel_last else warps  # rows computed at once
+    step = CONSTANTS["MMA_SPAN_STEP"]
+    warps = CONSTANTS["MMA_CL_WARPS" if channel_last else "MMA_WARPS"]
+    rows = warps if channel_last else 2 * warps
+    channels = warps if channel_last else 1  # channels of an item
 
     def layout(span):
         row_len = d + span + (4 if channel_last else 0)
-        weights_at = -(-rows * row_len * 2 // 16) * 16
-        return row_len, weights_at, weights_at + warps * (2 * d + 32) * 4
+        staging_at = -(-rows * row_len * 2 // 16) * 16
+        weights_at = staging_at + ((d + span) * warps * 2 if channel_last else 0)
+        return row_len, staging_at, weights_at, weights_at + warps * (2 * d + 32) * 4
 
-    def blocks(span):  # blocks' worth of work
-        return batch * -(-dim // per_block) * -(-seqlen // span)
+    def items(span):
+        return -(-dim // channels) * batch * -(-seqlen // span)
 
-    span = min(MMA_CL_SPAN if channel_last else MMA_SPAN, -(-seqlen // step) * step)
-    while span > step and layout(span)[2] > shared_memory_limit(device):
+    span = min(CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_SPAN, -(-seqlen // step) * step)
+    while span > step and layout(span)[3] > shared_memory_limit(device):
         span = span // 2 // step * step
-    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[2])
-    while span > step and blocks(span) < 2 * resident:
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[3])
+    per_block = 1 if channel_last else warps  # items a block computes at once
+    while span > step and items(span) < 2 * resident * per_block:
         span = span // 2 // step * step
-    row_len, weights_at, smem = layout(span)
+    row_len, staging_at, weights_at, smem = layout(span)
     resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
-    grid = blocks(span) if channel_last else min(blocks(span), resident)
+    grid = min(-(-items(span) // per_block), resident, MAX_GRID)
     along = 1 if channel_last else 2
     return MMA.launch(
-        name, min(grid, MAX_GRID), (32 * warps, 1), smem,
+        name, grid, (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
-        channel_last=int(channel_last), span=span, row_len=row_len, weights_at=weights_at,
+        span=span, row_len=row_len, staging_at=staging_at, weights_at=weights_at,
     )  # fmt: skip
 
 

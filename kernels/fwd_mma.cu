@@ -31,9 +31,9 @@
 #include "fwd_common.cuh"
 
 // Blocks per SM that fwd_mma's register budget (__launch_bounds__) is set for: the A fragments
-// take 4 KS registers (8 KS split) beside about 56 others.
+// take 4 KS registers (8 KS split) beside about 64 others.
 __host__ __device__ constexpr int mma_blocks_per_sm(int KS, bool split) {
-    const int regs = 4 * KS * (split ? 2 : 1) + 56;
+    const int regs = 4 * KS * (split ? 2 : 1) + 64;
     return regs <= 80 ? 6 : regs <= 96 ? 5 : regs <= 128 ? 4 : regs <= 168 ? 3 : 2;
 }
 
@@ -224,8 +224,17 @@ __device__ __forceinline__ int window_inputs(int D, int n_out) {
     return D + (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * MMA_SPAN_STEP;
 }
 
-template <typename T, int KS, bool SPLIT>
-__global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
+// Warps a block and blocks an SM that fwd_mma is compiled for: time-contiguous x takes blocks
+// of MMA_WARPS independent warps, channel-contiguous x one block of MMA_CL_WARPS warps that
+// share their tiles.
+template <int KS, bool SPLIT, bool CL>
+struct MmaLaunch {
+    static constexpr int warps = CL ? MMA_CL_WARPS : MMA_WARPS;
+    static constexpr int blocks = CL ? 1 : mma_blocks_per_sm(KS, SPLIT);
+};
+
+template <typename T, int KS, bool SPLIT, bool CL>
+__global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunch<KS, SPLIT, CL>::blocks)
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     constexpr int D = Taps<KS>::D;  // inputs before a row's first output
@@ -237,39 +246,44 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
     const int bias_code = p.bias_dtype == F64 ? F32 : (int)p.bias_dtype;
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* const rows = reinterpret_cast<T*>(smem_raw);  // the tile's rows, row_len elements each
+    T* const rows = reinterpret_cast<T*>(smem_raw);  // the rows, row_len elements each
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* const wpad = reinterpret_cast<float*>(smem_raw + p.weights_at) + warp * Taps<KS>::SIZE;
     Taps<KS>::zero(wpad);
     const int64 spans = (seqlen + span - 1) / span;
     Taps<KS> taps;
     RowWeights<KS, SPLIT> rw;
+    // An item: span sp of row (b, c); items run channel-major (c, b, sp), and each warp (block)
+    // takes a run of them, so a channel's taps are installed once for its run.
+    struct Item {
+        int64 b, c, t0;
+        int n_out;
+        bool new_channel;  // the first item of its channel in this run
+    };
+    auto item_at = [&](int64 i, int64 first, int64 channels) {
+        int64 cb, sp;
+        divmod(i, spans, cb, sp);
+        Item it;
+        it.c = cb / batch;
+        it.b = cb - it.c * batch;
+        it.t0 = sp * span;
+        it.n_out = (int)min(span, seqlen - it.t0);
+        it.new_channel = i == first || (it.b == 0 && sp == 0);
+        it.c *= channels;
+        return it;
+    };
 
-    if (!p.channel_last) {
-        // Time-contiguous x: warp w of the grid takes a run of items (c, b, span), each staged
-        // into one of its two rows while it computes the other; a channel's taps are fetched
-        // and installed once for its run of items.
-        const int64 n_items = dim * batch * spans, n_warps = main_warps(p);
-        const int64 first = grid_warp() * ((n_items + n_warps - 1) / n_warps);
-        const int64 end = min(first + (n_items + n_warps - 1) / n_warps, n_items);
+    if constexpr (!CL) {
+        // Time-contiguous x: warp w of the grid takes a run of items, each staged into one of
+        // its two rows while it computes the other.
+        const int64 n_items = dim * batch * spans, n_warps = main_warps(p), per = (n_items + n_warps - 1) / n_warps;
+        const int64 first = grid_warp() * per, end = min(first + per, n_items);
         T* const bufs = rows + 2 * warp * row_len;
-        struct Item { int64 b, c, t0; bool first_of_channel; };
-        auto item_at = [&](int64 i) {
-            int64 cb, sp;
-            divmod(i, spans, cb, sp);
-            Item it;
-            it.c = cb / batch;
-            it.b = cb - it.c * batch;
-            it.t0 = sp * span;
-            it.first_of_channel = i == first || (it.b == 0 && sp == 0);
-            return it;
-        };
-        // Stages item i's window into bufs + st row_len (always commits one cp.async group).
-        auto stage = [&](int64 i, int st) {
-            if (i < end) {
-                const Item it = item_at(i);
+        // Stages item `it` into bufs + st row_len (always commits one cp.async group).
+        auto stage = [&](const Item& it, bool valid, int st) {
+            if (valid) {
                 const int64 b = it.b, c = it.c, w0 = it.t0 - D;
-                const int n_in = window_inputs(D, (int)min(span, seqlen - it.t0));
+                const int n_in = window_inputs(D, it.n_out);
                 T* const row = bufs + st * row_len;
                 const T* xr = x + b * p.x_batch_stride + c * p.x_c_stride;
                 // vectors [0, v0): before the row; [v0, v1): whole vectors of the row (aligned x)
@@ -295,99 +309,119 @@ __global__ void __launch_bounds__(32 * MMA_WARPS, mma_blocks_per_sm(KS, SPLIT))
                         for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, pos + q);
                     }
                 }
-                if (it.first_of_channel) taps.fetch(weight, bias, p, c);
+                if (it.new_channel) taps.fetch(weight, bias, p, c);
             }
             cp_async_commit();
         };
-        stage(first, 0);
+        Item it = item_at(first, first, 1);
+        stage(it, first < end, 0);
         #pragma unroll 1
         for (int64 i = first, st = 0; i < end; ++i, st ^= 1) {
-            const Item it = item_at(i);
-            if (it.first_of_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
-            stage(i + 1, (int)st ^ 1);  // also fetches the next channel's taps
+            if (it.new_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
+            const Item next = item_at(i + 1, first, 1);
+            stage(next, i + 1 < end, (int)st ^ 1);  // also fetches the next channel's taps
             cp_async_wait<1>();
             __syncwarp();
-            const int n_out = (int)min(span, seqlen - it.t0);
             T* const row = bufs + st * row_len;
-            row_outputs<T, KS, SPLIT>(row, n_out, rw, wpad, x, initial_states, p, it.b, it.c, it.t0);
+            row_outputs<T, KS, SPLIT>(row, it.n_out, rw, wpad, x, initial_states, p, it.b, it.c, it.t0);
             T* const orow = out + it.b * p.out_batch_stride + it.c * p.out_c_stride + it.t0 * p.out_l_stride;
-            const int full = out_aligned ? n_out / VN : 0;
+            const int full = out_aligned ? it.n_out / VN : 0;
             #pragma unroll 4
             for (int v = lane; v < full; v += 32)
                 reinterpret_cast<uint4*>(orow)[v] = reinterpret_cast<const uint4*>(row)[v];
-            for (int o = full * VN + lane; o < n_out; o += 32) orow[o * p.out_l_stride] = row[o];
+            for (int o = full * VN + lane; o < it.n_out; o += 32) orow[o * p.out_l_stride] = row[o];
             __syncwarp();  // the row is free again
+            it = next;
         }
         cp_async_wait<0>();
-        return;
-    }
-
-    // Channel-contiguous x: a block takes tiles of MMA_CL_ROWS channels x span steps in turn.
-    // Lane (i, h) of a warp moves the 8 channels 8 h .. 8 h + 7 of the tile at window position
-    // i: two lanes a step of 16 channels (32 bytes). Row r of the tile is channel c0 + r;
-    // p.row_len = 4 mod 8 keeps the transposing accesses free of bank conflicts.
-    const int64 groups = (dim + MMA_CL_ROWS - 1) / MMA_CL_ROWS, n_tiles = batch * groups * spans;
-    const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
-    constexpr int STEP = MMA_WARPS * 16;
-    #pragma unroll 1
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
-        int64 bg, sp;
-        divmod(tile, spans, bg, sp);
-        const int64 b = bg / groups, c0 = (bg - b * groups) * MMA_CL_ROWS, t0 = sp * span, w0 = t0 - D;
-        const int n_out = (int)min(span, seqlen - t0), n_in = window_inputs(D, n_out);
-        if (c0 + warp < dim) taps.fetch(weight, bias, p, c0 + warp);  // with the tile's inputs
-        // A step's 8 channels move as one vector where they lie in the row and the tile's
-        // channels; element by element before the row (states) or where x is not aligned.
-        const bool vectors = x_aligned && c0 + 8 * h + VN <= dim;
-        const T* xb = x + b * p.x_batch_stride + c0 + 8 * h;
-        #pragma unroll 1
-        for (int i = i0; i < n_in; i += 4 * STEP) {  // four loads in flight, then their stores
-            Vec<T> v[4];
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int64 pos = w0 + i + u * STEP;
-                v[u].raw = make_uint4(0, 0, 0, 0);
-                if (vectors && pos >= 0 && pos < seqlen && i + u * STEP < n_in)
-                    v[u].raw = __ldg(reinterpret_cast<const uint4*>(xb + pos * p.x_l_stride));
+    } else {
+        // Channel-contiguous x: block k takes a run of items of MMA_CL_WARPS channels (row r
+        // of the block: channel c0 + r, computed by warp r). Lane (i, h) of a warp moves the 8
+        // channels 8 h .. 8 h + 7 at window positions i, i + STEP, ...: two lanes a step of 16
+        // channels (32 bytes). The next item's inputs are copied (cp.async) into a staging
+        // area (at byte p.staging_at: a window position's 16 channels, 32 bytes, after another)
+        // while the warps compute the current one; each lane then moves its own positions from
+        // there into the rows. p.row_len = 4 mod 8 keeps those transposing shared-memory
+        // accesses free of bank conflicts.
+        constexpr int STEP = MMA_CL_WARPS * 16;
+        uint4* const staging = reinterpret_cast<uint4*>(smem_raw + p.staging_at);
+        const int64 groups = (dim + MMA_CL_WARPS - 1) / MMA_CL_WARPS, n_items = groups * batch * spans;
+        const int64 per = (n_items + p.main_blocks - 1) / p.main_blocks;
+        const int64 first = blockIdx.x * per, end = min(first + per, n_items);
+        const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
+        // Whether this lane's 8 channels of item `it` move as vectors.
+        auto vectors = [&](const Item& it) { return x_aligned && it.c + 8 * h + VN <= dim; };
+        // Copies the vectors of item `it`'s window that lie in the row into the staging area.
+        auto load = [&](const Item& it, bool valid) {
+            if (valid && vectors(it)) {
+                const T* xb = x + it.b * p.x_batch_stride + it.c + 8 * h;
+                const int64 w0 = it.t0 - D;
+                const int n_in = window_inputs(D, it.n_out);
+                #pragma unroll 2
+                for (int i = i0; i < n_in; i += STEP) {
+                    const int64 pos = w0 + i;
+                    if (pos >= 0 && pos < seqlen) cp_async<16>(staging + 2 * i + h, xb + pos * p.x_l_stride, 16);
+                }
             }
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int iu = i + u * STEP;
-                const int64 pos = w0 + iu;
-                if (iu >= n_in) break;
-                if (vectors && (pos >= 0 || pos < -(width - 1) || !initial_states)) {
+            cp_async_commit();
+        };
+        // Writes item `it`'s window into the rows: the staged vectors (zeros outside the row),
+        // element by element before the row (states) or where x does not take vectors.
+        auto store = [&](const Item& it) {
+            const bool vec = vectors(it);
+            const int64 w0 = it.t0 - D;
+            const int n_in = window_inputs(D, it.n_out);
+            #pragma unroll 2
+            for (int i = i0; i < n_in; i += STEP) {
+                const int64 pos = w0 + i;
+                if (vec && (pos >= 0 || pos < -(width - 1) || !initial_states)) {
+                    Vec<T> v;
+                    v.raw = pos >= 0 && pos < seqlen ? staging[2 * i + h] : make_uint4(0, 0, 0, 0);
                     #pragma unroll
-                    for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + iu] = v[u].e[q];
+                    for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + i] = v.e[q];
                 } else {
                     #pragma unroll 1
                     for (int q = 0; q < VN; ++q)
-                        rows[(8 * h + q) * row_len + iu] = window_input(x, initial_states, p, b, c0 + 8 * h + q, pos);
+                        rows[(8 * h + q) * row_len + i] = window_input(x, initial_states, p, it.b, it.c + 8 * h + q, pos);
                 }
             }
-        }
-        __syncthreads();
+        };
+        Item it = item_at(first, first, MMA_CL_WARPS);
+        load(it, first < end);
         #pragma unroll 1
-        for (int r = warp; r < MMA_CL_ROWS && c0 + r < dim; r += MMA_WARPS) {
-            taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
-            if (r + MMA_WARPS < MMA_CL_ROWS && c0 + r + MMA_WARPS < dim) taps.fetch(weight, bias, p, c0 + r + MMA_WARPS);
-            row_outputs<T, KS, SPLIT>(rows + r * row_len, n_out, rw, wpad, x, initial_states, p, b, c0 + r, t0);
-        }
-        __syncthreads();
-        T* const ob = out + b * p.out_batch_stride + (c0 + 8 * h) * p.out_c_stride;
-        const bool whole_out = out_aligned && c0 + 8 * h + VN <= dim;
-        #pragma unroll 2
-        for (int i = i0; i < n_out; i += STEP) {
-            Vec<T> v;
-            #pragma unroll
-            for (int q = 0; q < VN; ++q) v.e[q] = rows[(8 * h + q) * row_len + i];
-            if (whole_out) {
-                *reinterpret_cast<uint4*>(ob + (t0 + i) * p.out_l_stride) = v.raw;
-            } else {
-                #pragma unroll
-                for (int q = 0; q < VN; ++q)
-                    if (c0 + 8 * h + q < dim) ob[q * p.out_c_stride + (t0 + i) * p.out_l_stride] = v.e[q];
+        for (int64 i = first; i < end; ++i) {
+            cp_async_wait<0>();  // (each lane moves only what it copied itself)
+            store(it);
+            __syncthreads();  // the item's window is in the rows
+            const Item next = item_at(i + 1, first, MMA_CL_WARPS);
+            load(next, i + 1 < end);
+            const int64 c = it.c + warp;
+            if (c < dim) {
+                if (it.new_channel) {
+                    taps.fetch(weight, bias, p, c);
+                    taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
+                }
+                row_outputs<T, KS, SPLIT>(rows + warp * row_len, it.n_out, rw, wpad, x, initial_states, p, it.b, c,
+                                          it.t0);
             }
+            __syncthreads();  // the item's outputs are in the rows
+            T* const ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride;
+            const bool whole_out = out_aligned && it.c + 8 * h + VN <= dim;
+            #pragma unroll 2
+            for (int o = i0; o < it.n_out; o += STEP) {
+                Vec<T> v;
+                #pragma unroll
+                for (int q = 0; q < VN; ++q) v.e[q] = rows[(8 * h + q) * row_len + o];
+                if (whole_out) {
+                    *reinterpret_cast<uint4*>(ob + (it.t0 + o) * p.out_l_stride) = v.raw;
+                } else {
+                    #pragma unroll
+                    for (int q = 0; q < VN; ++q)
+                        if (it.c + 8 * h + q < dim) ob[q * p.out_c_stride + (it.t0 + o) * p.out_l_stride] = v.e[q];
+                }
+            }
+            // (this lane's positions are the ones it stages next: no barrier before store)
+            it = next;
         }
-        __syncthreads();  // the rows are free again
     }
 }

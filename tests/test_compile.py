@@ -160,9 +160,10 @@ def test_instance_table_covers_every_width():
         assert f"fwd_time_wide<{t}, {seq}>" in names
         assert f"fwd_channel<{t}, 8, {seq}, 16, 8>" in names
         assert f"fwd_channel<{t}, 9, {seq}, 16, 8>" not in names  # wider: the others
-    for split in ("false", "true"):  # widths 9 to 256 on tensor cores: KS 2 to 17
-        assert f"fwd_mma<{t}, 2, {split}>" in names and f"fwd_mma<{t}, 17, {split}>" in names
-        assert not {f"fwd_mma<{t}, 1, {split}>", f"fwd_mma<{t}, 18, {split}>"} & names
+    for flags in ("false, false", "false, true", "true, false", "true, true"):
+        # widths 9 to 256 on tensor cores, KS 2 to 17: (weights split, channel-last)
+        assert {f"fwd_mma<{t}, 2, {flags}>", f"fwd_mma<{t}, 17, {flags}>"} <= names
+        assert not {f"fwd_mma<{t}, 1, {flags}>", f"fwd_mma<{t}, 18, {flags}>"} & names
     for source, group in instances.items():  # each instance in its family's file
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name

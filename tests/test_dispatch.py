@@ -250,13 +250,13 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
 @pytest.mark.parametrize(
     "xdtype,wdtype,init,width,name",
     [
-        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5, false>"),
+        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5, false, false>"),
         (np.float16, np.float32, None, 64, "fwd_time_wide<__half, false>"),  # float16: same weights
         (np.float16, np.float16, np.float32, 64, "fwd_time_wide<__half, false>"),  # wider states
-        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3, false>"),
-        (np.float16, np.float16, None, 9, "fwd_mma<__half, 2, false>"),
+        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3, false, false>"),
+        (np.float16, np.float16, None, 9, "fwd_mma<__half, 2, false, false>"),
         (np.float16, np.float16, None, 8, "fwd_time<__half, 8, false, 2, 4>"),
-        (np.float16, np.float16, None, 256, "fwd_mma<__half, 17, false>"),
+        (np.float16, np.float16, None, 256, "fwd_mma<__half, 17, false, false>"),
         (np.float32, np.float32, None, 64, "fwd_time_wide<float, false>"),
     ],
 )
@@ -268,7 +268,9 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, l
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
     if layout == "cl":
         x = channel_last(2, 8, 300, dtype=xdtype)
-        if not name.startswith("fwd_mma"):
+        if name.startswith("fwd_mma"):
+            name = name.replace(", false>", ", true>")
+        else:
             name = name.replace("fwd_time_wide", "fwd_channel_wide").replace(", false>", ">")
         if width == 8:
             name = "fwd_channel<__half, 8, false, 16, 8>"
@@ -278,13 +280,15 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, l
     assert launched == name
     if launched.startswith("fwd_mma"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
-        assert fields["channel_last"] == (layout == "cl")
-        warps = _forward_plan.CONSTANTS["MMA_WARPS"]
-        rows = _forward_plan.CONSTANTS["MMA_CL_ROWS"] if layout == "cl" else 2 * warps
+        assert launched.endswith(", true>" if layout == "cl" else ", false>")
+        warps = _forward_plan.CONSTANTS["MMA_CL_WARPS" if layout == "cl" else "MMA_WARPS"]
+        rows = warps if layout == "cl" else 2 * warps
         d = 16 * (_forward_plan._mma_steps(width) - 1)
         assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
         assert fields["row_len"] == d + fields["span"] + (4 if layout == "cl" else 0)
-        assert fields["weights_at"] >= rows * fields["row_len"] * 2
+        staging = (d + fields["span"]) * rows * 2 if layout == "cl" else 0
+        assert fields["staging_at"] >= rows * fields["row_len"] * 2
+        assert fields["weights_at"] == fields["staging_at"] + staging
         taps = warps * (2 * d + 32) * 4
         assert plan.smem == fields["weights_at"] + taps
 
@@ -293,10 +297,10 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, l
 @pytest.mark.parametrize(
     "wdtype,width,name",
     [
-        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true>"),
-        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true>"),
-        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false>"),
-        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false>"),
+        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true, false>"),
+        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true, false>"),
+        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false, false>"),
+        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false, false>"),
     ],
 )
 def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, layout):
@@ -312,9 +316,9 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, layout):
     x = _arrays.Array(None, "fake", 0, 1 << 32, (2, 64, 4096), strides, bf16)
     w = _arrays.Array(None, "fake", 0, 2 << 32, (64, width), (width, 1), np.dtype(dtypes[wdtype]))
     plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
-    assert plan.name == name
+    assert plan.name == (name.replace("false>", "true>") if layout == "cl" else name)
     fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
-    assert fields["channel_last"] == (layout == "cl") and fields["x_aligned"] == 1
+    assert fields["x_aligned"] == 1
 
 
 def test_fast_divisor_is_exact():

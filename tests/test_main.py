@@ -71,7 +71,7 @@ def test_default_command_without_gpu():
     assert "the GPU kernels cannot run here; checking the CPU path" in out
     assert "check on the CPU path (numpy arrays): all 72 match the float64 reference" in out
     if not nvrtc_missing():
-        assert "compile check: 13 forward kernel instances compile with NVRTC" in out
+        assert "compile check: 15 forward kernel instances compile with NVRTC" in out
         assert "13 backward, update and varlen instances for sm_90" in out
     assert "bench: no GPU (" in out and "nothing to time (6 cases skipped)" in out
     assert out.rstrip().endswith("ok")
@@ -246,7 +246,8 @@ def offline_names(*args: str) -> list[str]:
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --width 64 --ops fwd --layout cf,cl",
-            [f"fwd_mma<{T}, 5, false>"], id="wide-filters",
+            [f"fwd_mma<{T}, 5, false, false>", f"fwd_mma<{T}, 5, false, true>"],
+            id="wide-filters",
         ),
         pytest.param(
             "--dim 256 --ops update --dtype float32 --width 20",
