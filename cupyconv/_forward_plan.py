@@ -86,7 +86,7 @@ TIME = Kernel(
 )
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
-    (*_ALIGNED, "span", "row_len", "staging_at", "weights_at"),
+    (*_ALIGNED, "span", "run", "row_len", "staging_at", "weights_at"),
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
@@ -214,8 +214,8 @@ def _plan_forward(
     table = forward_kernels(x.dtype_name, width, has_seq)
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
-    if mma and (time_major or x_c == 1):
-        kind = mma if time_major else mma.replace("mma", "mma_cl")
+    kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
+    if kind in table and (time_major or x_c == 1):
         return _plan_mma(x, out, width, table[kind][1], device, not time_major)
     if time_major:
         if width > TIME_MAX_WIDTH:
@@ -276,7 +276,7 @@ def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
         weights_at = staging_at + ((d + span) * warps * 2 if channel_last else 0)
         return row_len, staging_at, weights_at, weights_at + warps * (2 * d + 32) * 4
 
-    def items(span):
+    def items(span):  # (channels, batch row, span)
         return -(-dim // channels) * batch * -(-seqlen // span)
 
     span = min(CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_SPAN, -(-seqlen // step) * step)
@@ -288,12 +288,19 @@ def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
         span = span // 2 // step * step
     row_len, staging_at, weights_at, smem = layout(span)
     resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
-    grid = min(-(-items(span) // per_block), resident, MAX_GRID)
+    spans = -(-seqlen // span)
+    # channel-contiguous x: units of `run` spans of a row, at least two a block where the rows
+    # alone are fewer
+    run = min(spans, max(1, items(span) // (2 * resident))) if channel_last else 0
+    units = (
+        -(-dim // channels) * batch * -(-spans // run) if channel_last else -(-items(span) // warps)
+    )
+    grid = min(units, resident, MAX_GRID)
     along = 1 if channel_last else 2
     return MMA.launch(
         name, grid, (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
-        span=span, row_len=row_len, staging_at=staging_at, weights_at=weights_at,
+        span=span, run=run, row_len=row_len, staging_at=staging_at, weights_at=weights_at,
     )  # fmt: skip
 
 

@@ -253,31 +253,30 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
     const int64 spans = (seqlen + span - 1) / span;
     Taps<KS> taps;
     RowWeights<KS, SPLIT> rw;
-    // An item: span sp of row (b, c); items run channel-major (c, b, sp), and each warp (block)
-    // takes a run of them, so a channel's taps are installed once for its run.
+    // An item: span sp of row (b, c) (channel-contiguous x: of the channels c ..).
     struct Item {
         int64 b, c, t0;
         int n_out;
-        bool new_channel;  // the first item of its channel in this run
-    };
-    auto item_at = [&](int64 i, int64 first, int64 channels) {
-        int64 cb, sp;
-        divmod(i, spans, cb, sp);
-        Item it;
-        it.c = cb / batch;
-        it.b = cb - it.c * batch;
-        it.t0 = sp * span;
-        it.n_out = (int)min(span, seqlen - it.t0);
-        it.new_channel = i == first || (it.b == 0 && sp == 0);
-        it.c *= channels;
-        return it;
+        bool new_channel;  // the first item of its channel in the warp's (block's) run
     };
 
     if constexpr (!CL) {
-        // Time-contiguous x: warp w of the grid takes a run of items, each staged into one of
-        // its two rows while it computes the other.
+        // Time-contiguous x: warp w of the grid takes a run of items channel-major (c, b, sp),
+        // so a channel's taps are installed once for its run; each item is staged into one of
+        // the warp's two rows while it computes the other.
         const int64 n_items = dim * batch * spans, n_warps = main_warps(p), per = (n_items + n_warps - 1) / n_warps;
         const int64 first = grid_warp() * per, end = min(first + per, n_items);
+        auto item_at = [&](int64 i, int64 first) {
+            int64 cb, sp;
+            divmod(i, spans, cb, sp);
+            Item it;
+            it.c = cb / batch;
+            it.b = cb - it.c * batch;
+            it.t0 = sp * span;
+            it.n_out = (int)min(span, seqlen - it.t0);
+            it.new_channel = i == first || (it.b == 0 && sp == 0);
+            return it;
+        };
         T* const bufs = rows + 2 * warp * row_len;
         // Stages item `it` into bufs + st row_len (always commits one cp.async group).
         auto stage = [&](const Item& it, bool valid, int st) {
@@ -313,12 +312,12 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
             }
             cp_async_commit();
         };
-        Item it = item_at(first, first, 1);
+        Item it = item_at(first, first);
         stage(it, first < end, 0);
         #pragma unroll 1
         for (int64 i = first, st = 0; i < end; ++i, st ^= 1) {
             if (it.new_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
-            const Item next = item_at(i + 1, first, 1);
+            const Item next = item_at(i + 1, first);
             stage(next, i + 1 < end, (int)st ^ 1);  // also fetches the next channel's taps
             cp_async_wait<1>();
             __syncwarp();
@@ -345,9 +344,23 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
         // accesses free of bank conflicts.
         constexpr int STEP = MMA_CL_WARPS * 16;
         uint4* const staging = reinterpret_cast<uint4*>(smem_raw + p.staging_at);
-        const int64 groups = (dim + MMA_CL_WARPS - 1) / MMA_CL_WARPS, n_items = groups * batch * spans;
-        const int64 per = (n_items + p.main_blocks - 1) / p.main_blocks;
-        const int64 first = blockIdx.x * per, end = min(first + per, n_items);
+        // The work comes in units of p.run consecutive spans of a row (b, group); block k
+        // takes the units u = k, k + grid, ... (group fastest: the blocks at work at one time
+        // read neighbouring channels of the same steps) and installs the taps once a unit.
+        const int64 groups = (dim + MMA_CL_WARPS - 1) / MMA_CL_WARPS, run = p.run, parts = (spans + run - 1) / run;
+        const int64 n_units = groups * batch * parts, grid = p.main_blocks;
+        const int64 first = 0, end = blockIdx.x < n_units ? ((n_units - 1 - blockIdx.x) / grid + 1) * run : 0;
+        auto item_of = [&](int64 j) {  // item j of this block (none past the row's spans)
+            int64 u = blockIdx.x + j / run * grid, g, bp;
+            divmod(u, groups, bp, g);
+            Item it;
+            it.b = bp / parts;
+            it.c = g * MMA_CL_WARPS;
+            it.t0 = ((bp - it.b * parts) * run + j % run) * span;
+            it.n_out = (int)max((int64)0, min(span, seqlen - it.t0));
+            it.new_channel = j % run == 0;
+            return it;
+        };
         const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
         // Whether this lane's 8 channels of item `it` move as vectors.
         auto vectors = [&](const Item& it) { return x_aligned && it.c + 8 * h + VN <= dim; };
@@ -386,15 +399,15 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
                 }
             }
         };
-        Item it = item_at(first, first, MMA_CL_WARPS);
-        load(it, first < end);
+        Item it = item_of(first);
+        load(it, first < end && it.n_out > 0);
         #pragma unroll 1
         for (int64 i = first; i < end; ++i) {
             cp_async_wait<0>();  // (each lane moves only what it copied itself)
             store(it);
             __syncthreads();  // the item's window is in the rows
-            const Item next = item_at(i + 1, first, MMA_CL_WARPS);
-            load(next, i + 1 < end);
+            const Item next = item_of(i + 1);
+            load(next, i + 1 < end && next.n_out > 0);
             const int64 c = it.c + warp;
             if (c < dim) {
                 if (it.new_channel) {

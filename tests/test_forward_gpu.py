@@ -274,6 +274,13 @@ def test_tensor_core_widths(dtype, wdtype, layout):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ("cl", "cf"))
+def test_tensor_core_runs_of_spans(layout):
+    """Rows long enough to be split into several spans, handed out in runs that end past a
+    row's last span (channel-contiguous x) or mid-row (time-contiguous x)."""
+    run_case(8, 320, 7000, 17, "bfloat16", layout=layout, init=True, final=True, seed=5)
+
+
 @pytest.mark.parametrize(
     "dtype,wdtype",
     [
