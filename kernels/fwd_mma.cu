@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
         // the warp's two rows while it computes the other.
         const int64 n_items = dim * batch * spans, n_warps = main_warps(p), per = (n_items + n_warps - 1) / n_warps;
         const int64 first = grid_warp() * per, end = min(first + per, n_items);
-        auto item_at = [&](int64 i, int64 first) {
+        auto item_at = [&](int64 i) {  // with its channel's taps to install
             int64 cb, sp;
             divmod(i, spans, cb, sp);
             Item it;
@@ -274,7 +274,21 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
             it.b = cb - it.c * batch;
             it.t0 = sp * span;
             it.n_out = (int)min(span, seqlen - it.t0);
-            it.new_channel = i == first || (it.b == 0 && sp == 0);
+            it.new_channel = true;
+            return it;
+        };
+        // The item after `it` in (c, b, sp) order.
+        auto next_of = [&](Item it) {
+            it.t0 += span;
+            if (it.t0 >= seqlen) {
+                it.t0 = 0;
+                if (++it.b == batch) {
+                    it.b = 0;
+                    ++it.c;
+                }
+            }
+            it.n_out = (int)min(span, seqlen - it.t0);
+            it.new_channel = it.b == 0 && it.t0 == 0;
             return it;
         };
         T* const bufs = rows + 2 * warp * row_len;
@@ -312,12 +326,12 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
             }
             cp_async_commit();
         };
-        Item it = item_at(first, first);
+        Item it = item_at(first);
         stage(it, first < end, 0);
         #pragma unroll 1
         for (int64 i = first, st = 0; i < end; ++i, st ^= 1) {
             if (it.new_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
-            const Item next = item_at(i + 1, first);
+            const Item next = next_of(it);
             stage(next, i + 1 < end, (int)st ^ 1);  // also fetches the next channel's taps
             cp_async_wait<1>();
             __syncwarp();
@@ -349,16 +363,28 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
         // read neighbouring channels of the same steps) and installs the taps once a unit.
         const int64 groups = (dim + MMA_CL_WARPS - 1) / MMA_CL_WARPS, run = p.run, parts = (spans + run - 1) / run;
         const int64 n_units = groups * batch * parts, grid = p.main_blocks;
-        const int64 first = 0, end = blockIdx.x < n_units ? ((n_units - 1 - blockIdx.x) / grid + 1) * run : 0;
-        auto item_of = [&](int64 j) {  // item j of this block (none past the row's spans)
-            int64 u = blockIdx.x + j / run * grid, g, bp;
+        const int64 end = blockIdx.x < n_units ? ((n_units - 1 - blockIdx.x) / grid + 1) * run : 0;  // items
+        auto unit_item = [&](int64 u) {  // the first item of unit u
+            int64 g, bp;
             divmod(u, groups, bp, g);
             Item it;
             it.b = bp / parts;
             it.c = g * MMA_CL_WARPS;
-            it.t0 = ((bp - it.b * parts) * run + j % run) * span;
+            it.t0 = (bp - it.b * parts) * run * span;
+            it.n_out = (int)min(span, seqlen - it.t0);
+            it.new_channel = true;
+            return it;
+        };
+        int64 unit = blockIdx.x, in_unit = 0;  // the unit of the item after `it`, and its place there
+        auto next_of = [&](Item it) {  // (none past the row's spans)
+            if (++in_unit == run) {
+                in_unit = 0;
+                unit += grid;
+                return unit_item(unit);
+            }
+            it.t0 += span;
             it.n_out = (int)max((int64)0, min(span, seqlen - it.t0));
-            it.new_channel = j % run == 0;
+            it.new_channel = false;
             return it;
         };
         const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
@@ -399,14 +425,14 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
                 }
             }
         };
-        Item it = item_of(first);
-        load(it, first < end && it.n_out > 0);
+        Item it = unit_item(unit);
+        load(it, end > 0);
         #pragma unroll 1
-        for (int64 i = first; i < end; ++i) {
+        for (int64 i = 0; i < end; ++i) {
             cp_async_wait<0>();  // (each lane moves only what it copied itself)
             store(it);
             __syncthreads();  // the item's window is in the rows
-            const Item next = item_of(i + 1);
+            const Item next = next_of(it);
             load(next, i + 1 < end && next.n_out > 0);
             const int64 c = it.c + warp;
             if (c < dim) {
