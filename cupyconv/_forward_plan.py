@@ -50,7 +50,10 @@ CONSTANTS = {
     "CHANNEL_WIDE_WARPS": 4,  # fwd_channel_wide: warps per block
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
-MMA_MIN_WIDTH = 9  # fwd_mma (16-bit x, tensor cores, both layouts) from this width on
+# fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
+# up to 13) and channel-contiguous x (above CHANNEL_MAX_WIDTH); benchmarks/NOTES.md, "fwd_mma
+# on both layouts".
+MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 9
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
 CHANNEL_MAX_WIDTH = 8  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
@@ -112,8 +115,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     """The dispatch table: the forward kernel (source, template instance) for each layout of x
     of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
     TIME_SHORT_ROW bytes; "mma" and "mma_cl" ("mma_split", "mma_cl_split": weights of another
-    dtype) replace them and "channel" from MMA_MIN_WIDTH on where tensor cores are exact
-    (``tensor_cores``);
+    dtype) replace them from MMA_MIN_WIDTH on and "channel" from MMA_CL_MIN_WIDTH on where
+    tensor cores are exact (``tensor_cores``);
     "channel" serves channel-contiguous x in lane vectors; "general" any strides;
     "final_states" the final states."""
     t = C_TYPES[dtype]
@@ -128,7 +131,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
-    if width >= MMA_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
+    if width >= MMA_CL_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
         ks = _mma_steps(width)
         for cl, cl_kind in (("false", ""), ("true", "_cl")):
             table["mma" + cl_kind] = (MMA, f"fwd_mma<{t}, {ks}, false, {cl}>")
@@ -194,7 +197,7 @@ def plan_forward(
     """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
     whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
     mma = None
-    if width >= MMA_MIN_WIDTH and tensor_cores(x, weight, initial_states):
+    if width >= MMA_CL_MIN_WIDTH and tensor_cores(x, weight, initial_states):
         mma = "mma" if weight.dtype_name == x.dtype_name else "mma_split"
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
@@ -215,7 +218,7 @@ def _plan_forward(
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
     kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
-    if kind in table and (time_major or x_c == 1):
+    if kind in table and (x_c == 1 if not time_major else width >= MMA_MIN_WIDTH):
         return _plan_mma(x, out, width, table[kind][1], device, not time_major)
     if time_major:
         if width > TIME_MAX_WIDTH:

@@ -56,6 +56,7 @@ def launches(monkeypatch):
 
 
 SM90_SMEM, SM80_SMEM, SM86_SMEM = 232448, 166912, 101376  # opt-in shared memory per block
+F16, F32 = np.float16, np.float32
 
 
 def weight(c, k):
@@ -247,33 +248,35 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
     assert launched == "fwd_general<float>"
 
 
+H = "__half"
+
+
 @pytest.mark.parametrize(
-    "xdtype,wdtype,init,width,name",
+    "xdtype,wdtype,init,width,cf_name,cl_name",
     [
-        (np.float16, np.float16, None, 64, "fwd_mma<__half, 5, false, false>"),
-        (np.float16, np.float32, None, 64, "fwd_time_wide<__half, false>"),  # float16: same weights
-        (np.float16, np.float16, np.float32, 64, "fwd_time_wide<__half, false>"),  # wider states
-        (np.float16, np.float16, np.float16, 18, "fwd_mma<__half, 3, false, false>"),
-        (np.float16, np.float16, None, 9, "fwd_mma<__half, 2, false, false>"),
-        (np.float16, np.float16, None, 8, "fwd_time<__half, 8, false, 2, 4>"),
-        (np.float16, np.float16, None, 256, "fwd_mma<__half, 17, false, false>"),
-        (np.float32, np.float32, None, 64, "fwd_time_wide<float, false>"),
+        (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, false>", f"fwd_mma<{H}, 5, false, true>"),
+        # float16 x: tensor cores only with float16 weights and states
+        (F16, F32, None, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
+        (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
+        (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, false>", f"fwd_mma<{H}, 3, false, true>"),
+        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, false>", f"fwd_mma<{H}, 2, false, true>"),
+        # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_mma from width 9
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma<{H}, 2, false, true>"),
+        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_mma<{H}, 2, false, true>"),
+        (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
+        (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, false>", f"fwd_mma<{H}, 17, false, true>"),
+        (F32, F32, None, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
     ],
-)
+)  # fmt: skip
 @pytest.mark.parametrize("layout", ("cf", "cl"))
-def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, name, layout):
-    """Widths from MMA_MIN_WIDTH of 16-bit x take fwd_mma on both layouts where it is exact
-    (float16 x with float16 weights, states of x's dtype), with the tile layout the plan
-    describes."""
+def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name, cl_name, layout):
+    """16-bit x takes fwd_mma where it is exact (float16 x with float16 weights, states of x's
+    dtype): time-contiguous x from MMA_MIN_WIDTH on, channel-contiguous x from
+    MMA_CL_MIN_WIDTH on, with the tile layout the plan describes."""
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
+    name = cf_name
     if layout == "cl":
-        x = channel_last(2, 8, 300, dtype=xdtype)
-        if name.startswith("fwd_mma"):
-            name = name.replace(", false>", ", true>")
-        else:
-            name = name.replace("fwd_time_wide", "fwd_channel_wide").replace(", false>", ">")
-        if width == 8:
-            name = "fwd_channel<__half, 8, false, 16, 8>"
+        x, name = channel_last(2, 8, 300, dtype=xdtype), cl_name
     states = None if init is None else FakeCudaArray((2, 8, width - 1), dtype=init)
     cupyconv.causal_conv1d_fn(x, FakeCudaArray((8, width), dtype=wdtype), initial_states=states)
     ((launched, plan, params),) = launches
@@ -350,9 +353,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("limit", (SM90_SMEM, SM80_SMEM, SM86_SMEM), ids=("sm90", "sm80", "sm86"))
 def test_every_launch_fits_the_device(launches, monkeypatch, limit):
     """Every width 1..256 x layout x dtype (bfloat16 plans as float16; weights of x's dtype, so
-    16-bit x takes fwd_mma from MMA_MIN_WIDTH on) x short and long rows: the block's dynamic
-    shared memory within the device's opt-in limit, at most 1024 threads, 1 <= grid < 2**31;
-    where the channel-last wide tile would not fit, the general kernel."""
+    16-bit x takes fwd_mma from MMA_MIN_WIDTH / MMA_CL_MIN_WIDTH on) x short and long rows:
+    the block's dynamic shared memory within the device's opt-in limit, at most 1024 threads,
+    1 <= grid < 2**31; where the channel-last wide tile would not fit, the general kernel."""
     monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
     fallbacks = 0
     for dtype in (np.float32, np.float16, np.float64):

@@ -262,7 +262,8 @@ def test_dtype_pairs(dtype, wdtype, layout):
     "layout", ("cf", "cf_slice", "misaligned", "cl", "cl_slice", "misaligned_cl")
 )
 def test_tensor_core_widths(dtype, wdtype, layout):
-    """Widths 9 to 256 of 16-bit x run on tensor cores (fwd_mma) on both layouts: weights split
+    """Widths 9 to 256 of 16-bit x (on tensor cores, fwd_mma, from 14 time-contiguous and 9
+    channel-contiguous; fwd_time below): weights split
     in two parts when wider than x, row starts with and without states, partial and one-step
     tiles, a row of several tiles, channel-last tiles past the last channel."""
     widths = (9, 16, 17, 18, 33, 64, 65, 100, 129, 130, 200, 256)
