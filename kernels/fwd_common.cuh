@@ -7,7 +7,7 @@
 //
 // Every forward kernel takes the seven array pointers (FWD_ARRAYS; null for absent inputs)
 // and one parameter struct by value. The structs and the launch constants the kernels share
-// with their plan (GENERAL_RUN, MMA_BLOCKS, ...) are not written here: cupyconv generates them
+// with their plan (GENERAL_RUN, MMA_WARPS, ...) are not written here: cupyconv generates them
 // from its forward plan (cupyconv/_forward_plan.py: CONSTANTS, FIELDS, KERNELS) and
 // prepends them to the source, so each is defined once. Each struct holds, in 8-byte fields,
 // the call's FIELDS (batch, dim, seqlen, width; x_batch_stride, x_c_stride, x_l_stride and the

@@ -1,13 +1,16 @@
 // fwd_mma.cu: the forward for 16-bit x and widths 9 to 256 on tensor cores, on both layouts.
 //
-//   fwd_mma<T, KS, SPLIT>
+//   fwd_mma<T, KS, SPLIT, CL>
 //       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and
-//       fwd_channel_wide serve those). A block of MMA_WARPS warps takes a tile of rows
-//       (channels) x p.span outputs: MMA_WARPS rows of time-contiguous x, one a warp, each
-//       staged by its own warp with cp.async (no block barrier); or MMA_CL_ROWS channels of
-//       channel-contiguous x (p.channel_last), staged by the whole block and transposed on the
-//       way into shared memory. Either way a row's window (positions t0 - D ..) lies in shared
-//       memory time-contiguous, p.row_len elements a row.
+//       fwd_channel_wide serve those); SPLIT: weights of another dtype than x; CL: channel-
+//       contiguous x. A persistent grid: for time-contiguous x each of the MMA_WARPS warps of a
+//       block takes its own run of items (spans of p.span outputs of a row), staging each into
+//       one of its two rows of shared memory with cp.async while it computes the other; for
+//       channel-contiguous x a block of MMA_CL_WARPS warps takes runs of p.run spans of
+//       MMA_CL_WARPS channels, warp r computing channel r, the next item copied into a
+//       staging area while the current one is computed and transposed from there. Either way
+//       a row's window (positions t0 - D ..) lies in shared memory time-contiguous,
+//       p.row_len elements a row, and a row's weights are installed once per run.
 //
 // For one channel, 16 consecutive outputs are a banded Toeplitz matrix of the weights times
 // the inputs before them:  out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m],  m < D + 16, with
@@ -16,9 +19,9 @@
 // The MMA sums over k, so k and the rows may be permuted as long as A and B agree: lane
 // (g, tg) holds inputs 4 tg .. 4 tg + 3 of segment g + s (one 8-byte shared-memory read, no
 // bank conflict), and row i is output 2 (i mod 8) + i / 8, so each lane's results pair up
-// into adjacent outputs. The A fragments (the weights) are built once per row and tile and
-// stay in registers; each 128-output block's results overwrite the block's first 128 window
-// inputs, which no later block reads (output t0 + o lands at window index o).
+// into adjacent outputs. The A fragments (the weights) stay in registers; each 128-output
+// block's results overwrite the block's first 128 window inputs, which no later block reads
+// (output t0 + o lands at window index o).
 //
 // Products of 16-bit values are exact and the MMA accumulates in float32; weights of another
 // dtype (SPLIT) are split into a high and a low 16-bit part (two MMAs), which keeps them to
