@@ -114,11 +114,10 @@ SOURCES = bind_sources(
 def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
     """The dispatch table: the forward kernel (source, template instance) for each layout of x
     of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
-    TIME_SHORT_ROW bytes; "mma" and "mma_cl" ("mma_split", "mma_cl_split": weights of another
-    dtype) replace them from MMA_MIN_WIDTH on and "channel" from MMA_CL_MIN_WIDTH on where
-    tensor cores are exact (``tensor_cores``);
-    "channel" serves channel-contiguous x in lane vectors; "general" any strides;
-    "final_states" the final states."""
+    TIME_SHORT_ROW bytes; "channel" channel-contiguous x in lane vectors; "general" any
+    strides; "final_states" the final states. Where tensor cores are exact (``tensor_cores``),
+    "mma" replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel"
+    from MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x)."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = CHANNEL_TILES[ITEMSIZE[dtype]]
