@@ -72,15 +72,11 @@ struct RowWeights {
     float bias;
 };
 
-// The bits of a weight as fetched (a float64 one as float32) and the float they stand for.
+// The bits of a weight as fetched (a float64 one as float32: bits_as reads them as F32).
 __device__ __forceinline__ unsigned raw_bits(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort(v); }
 __device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
-__device__ __forceinline__ float raw_float(unsigned u, int code) {
-    return code == BF16 ? __uint_as_float(u << 16) : code == F16 ? __half2float(__ushort_as_half((unsigned short)u))
-                                                   : __uint_as_float(u);
-}
 
 // A row's taps pass through the warp's wpad, SIZE floats: wpad[PAD + k] = w[k], zeros around
 // them (written once). A lane holds up to N taps of the next row in registers (k = lane + 32 j),
@@ -114,8 +110,8 @@ struct Taps {
         __syncwarp();  // the previous row's own_taps has read wpad
         #pragma unroll
         for (int j = 0; j < N; ++j)
-            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = raw_float(next[j], weight_code);
-        rw.bias = raw_float(bias, bias_code);
+            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
+        rw.bias = bits_as<float>(bias, bias_code);
         __syncwarp();
         // Element (row i, k) of k-step s: output o = 2 (i mod 8) + i / 8, input e of the
         // segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h).
@@ -244,7 +240,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
     constexpr int VN = 8;           // elements per 16-byte vector
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, row_len = p.row_len;
     const int width = (int)p.width;
-    // The taps' dtypes as raw_float reads them (float64 taps are fetched as float32).
+    // The taps' dtypes as bits_as reads them (float64 taps are fetched as float32).
     const int weight_code = p.weight_dtype == F64 ? F32 : (int)p.weight_dtype;
     const int bias_code = p.bias_dtype == F64 ? F32 : (int)p.bias_dtype;
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
