@@ -29,6 +29,8 @@ from ._launch import (
     dtype_code,
     fast_divisor,
     pack,
+    resident_blocks,
+    shared_memory_limit,
 )
 
 # Launch constants shared with the kernels. Measurements behind the tile sizes, chunk shapes and
@@ -38,9 +40,14 @@ CONSTANTS = {
     "WEIGHT_RUN": 16,  # bwd_weight: positions per run
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
+    "BWD_MMA_WARPS": 4,  # bwd_mma: warps per block (independent)
+    "BWD_MMA_LAGS": 2,  # bwd_mma: block lags of dweight's C_d a pass accumulates
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
+# bwd_mma (bfloat16 x and weights, time-contiguous x, no seq_idx) from this width on, for spans
+# of up to MMA_SPAN positions (a multiple of 256).
+MMA_MIN_WIDTH, MMA_SPAN = 5, 1024
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
@@ -90,9 +97,16 @@ CHANNEL = Kernel(
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
 WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH)
+MMA = Kernel(
+    "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
+    (
+        "x_aligned", "dout_aligned", "dx_aligned", "span", "z_blocks", "per", "warp_bytes",
+        "dout_at", "dzh_at", "dzl_at", "frag_at", "pad_at", "cd_at",
+    ),
+)  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
-KERNELS = (TIME, CHANNEL, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (TIME, CHANNEL, MMA, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -131,6 +145,26 @@ def _channel_name(dtype: str, width: int, seq: bool) -> str:
     return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {warps}>"
 
 
+def _mma_steps(width: int) -> int:
+    """bwd_mma's KS: k-steps of 16 window inputs, D = 16 (KS - 1) >= width - 1 (at least 2)."""
+    return max(2, 1 + -(-(width - 1) // 16))
+
+
+def _mma_name(width: int) -> str:
+    return f"bwd_mma<{C_TYPES['bfloat16']}, {_mma_steps(width)}>"
+
+
+def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
+    """Whether bwd_mma serves the call: bfloat16 x and weights, time-contiguous x (or rows of
+    one step), no seq_idx, width MMA_MIN_WIDTH or more."""
+    _, x_c, x_l = x.strides
+    time_rows = x_l == 1 or (x.shape[2] == 1 and x_c != 1)
+    return (
+        x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
+        and width >= MMA_MIN_WIDTH and time_rows
+    )  # fmt: skip
+
+
 def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     """Every backward template instance the plan can produce for these x dtypes and widths,
     by source."""
@@ -145,6 +179,8 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
                 if w <= CHANNEL_MAX_WIDTH:
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
+            if d == "bfloat16" and w >= MMA_MIN_WIDTH:
+                found.setdefault(MMA.source, set()).add(_mma_name(w))
     return {source: sorted(names) for source, names in found.items()}
 
 
@@ -152,18 +188,20 @@ _plans: dict[tuple, BackwardPlan] = {}
 
 
 def plan_backward(
-    x: Array, dout: Array, dx: Array, width: int, has_seq: bool, states: bool
-) -> BackwardPlan:
+    x: Array, dout: Array, dx: Array, width: int, has_seq: bool, states: bool,
+    weight_dtype: str, device: int,
+) -> BackwardPlan:  # fmt: skip
     """The kernels of a backward call on x [batch, dim, seqlen] (dim > 0), with bwd_states when
     ``states`` (dinitial_states asked for, or dfinal_states given); memoised per layout.
     Without tokens only bwd_states and the (zero) reductions run."""
     key = (
-        x.dtype_name, width, has_seq, states, x.shape, x.strides, x.ptr % 16, dout.strides,
-        dout.ptr % 16, dx.strides, dx.ptr % 16,
+        x.dtype_name, weight_dtype, width, has_seq, states, x.shape, x.strides, x.ptr % 16,
+        dout.strides, dout.ptr % 16, dx.strides, dx.ptr % 16, device,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = remember(_plans, key, _plan_backward(x, dout, dx, width, has_seq, states))
+        made = _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device)
+        plan = remember(_plans, key, made)
     return plan
 
 
@@ -171,13 +209,15 @@ def _grid(items: int, per_block: int) -> int:
     return max(1, min(-(-items // per_block), MAX_GRID))
 
 
-def _plan_backward(x, dout, dx, width: int, has_seq: bool, states: bool) -> BackwardPlan:
+def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     if batch * seqlen == 0:
         return _finish([], x, width, states, 0, None)
     t = C_TYPES[x.dtype_name]
     _, x_c, x_l = x.strides
     itemsize = ITEMSIZE[x.dtype_name]
+    if takes_mma(x, weight_dtype, width, has_seq):
+        return _plan_mma(x, dout, dx, width, states, device)
     if (x_l == 1 or (seqlen == 1 and x_c != 1)) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
@@ -219,6 +259,62 @@ def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
         dim_divisor=fast_divisor(dim),
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * per_row, None)
+
+
+def _mma_layout(span: int, steps: int) -> dict:
+    """One bwd_mma warp's shared memory for spans of ``span`` positions: byte offsets of its
+    areas (x: two buffers of D + 128 NZ inputs from D before the span; dout: two of 128 NZ;
+    dz's high and low halves, 128 NZ each; the fragments of z and dx, 512 bytes a k-step each;
+    the padded taps, forward and reversed, 2 D + 32 floats each; BWD_MMA_LAGS C_d of 256
+    floats), their total ``warp_bytes`` and ``z_blocks`` NZ (128-position blocks over span + D)."""
+    d = 16 * (steps - 1)
+    nz = -(-(span + d) // 128)
+    x_len, dz_len = d + 128 * nz, 128 * nz
+    dout_at = 2 * 2 * x_len
+    dzh_at = dout_at + 2 * 2 * dz_len
+    dzl_at = dzh_at + 2 * dz_len
+    frag_at = dzl_at + 2 * dz_len
+    pad_at = frag_at + 2 * steps * 512
+    cd_at = pad_at + 2 * (2 * d + 32) * 4
+    warp_bytes = cd_at + CONSTANTS["BWD_MMA_LAGS"] * 256 * 4
+    return dict(
+        z_blocks=nz, warp_bytes=warp_bytes, dout_at=dout_at, dzh_at=dzh_at, dzl_at=dzl_at,
+        frag_at=frag_at, pad_at=pad_at, cd_at=cd_at,
+    )  # fmt: skip
+
+
+def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
+    """A persistent grid of blocks of BWD_MMA_WARPS independent warps, each warp a run of
+    items (spans of a row, channel-major). Spans start at MMA_SPAN (or the row rounded up to
+    256) and halve, down to 256, while a block's shared memory would not fit the device (then
+    blocks lose warps) or the items would not fill it twice over."""
+    batch, dim, seqlen = x.shape
+    steps, warps = _mma_steps(width), CONSTANTS["BWD_MMA_WARPS"]
+    name = _mma_name(width)
+
+    def smem(span):
+        return warps * _mma_layout(span, steps)["warp_bytes"]
+
+    def items(span):
+        return dim * batch * -(-seqlen // span)
+
+    span, limit = min(MMA_SPAN, -(-seqlen // 256) * 256), shared_memory_limit(device)
+    while span > 256 and smem(span) > limit:
+        span = max(256, span // 512 * 256)
+    while warps > 1 and smem(span) > limit:
+        warps -= 1
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, smem(span))
+    while span > 256 and items(span) < 2 * resident * warps:
+        span = max(256, span // 512 * 256)
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, smem(span))
+    grid = min(resident, -(-items(span) // warps), MAX_GRID)
+    per = -(-items(span) // (grid * warps))
+    launch = MMA.launch(
+        name, grid, (32 * warps, 1), smem(span),
+        x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
+        dx_aligned=rows_aligned(dx, 2, 4), span=span, per=per, **_mma_layout(span, steps),
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
 
 def _channel_vectors(a: Array, lane_bytes: int) -> bool:

@@ -128,7 +128,9 @@ class _BackwardCall:
         x = a.x
         dx = dx or self.dx or empty(x, x.shape, strides_like(x), x.dtype)
         states = self.want_dinit or self.dfinal is not None
-        return plan_backward(x, self.dout, dx, a.width, a.seq_idx is not None, states)
+        has_seq = a.seq_idx is not None
+        weight_dtype = a.weight.dtype_name
+        return plan_backward(x, self.dout, dx, a.width, has_seq, states, weight_dtype, self.device)
 
 
 def _acc_dtype(x) -> np.dtype:

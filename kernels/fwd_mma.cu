@@ -32,6 +32,7 @@
 // starting on 16-byte boundaries; or channel-contiguous steps whose starts are 16-byte
 // aligned).
 #include "fwd_common.cuh"
+#include "mma_common.cuh"
 
 // Blocks per SM that fwd_mma's register budget (__launch_bounds__) is set for: the A fragments
 // take 4 KS registers (8 KS split) beside about 64 others.
@@ -40,43 +41,12 @@ __host__ __device__ constexpr int mma_blocks_per_sm(int KS, bool split) {
     return regs <= 80 ? 6 : regs <= 96 ? 5 : regs <= 128 ? 4 : regs <= 168 ? 3 : 2;
 }
 
-// acc += A B for one m16n8k16 MMA of 16-bit TYPE ("bf16" or "f16") operands, float32 accumulator.
-#define MMA_SYNC(TYPE, acc, a, b0, b1)                                                           \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                         \
-                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                     \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-template <typename T> struct MmaOp;
-template <> struct MmaOp<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        MMA_SYNC("bf16", c, a, b0, b1);
-    }
-};
-template <> struct MmaOp<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        MMA_SYNC("f16", c, a, b0, b1);
-    }
-};
-
-// Two values as one 32-bit word of T (the first in the low half).
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    T v[2] = {from_acc<T>(lo), from_acc<T>(hi)};
-    return *reinterpret_cast<unsigned*>(v);
-}
-
 // One row's weights as A fragments (high and, with SPLIT, low part per k-step) and its bias.
 template <int KS, bool SPLIT>
 struct RowWeights {
     unsigned hi[KS][4], lo[SPLIT ? KS : 1][4];
     float bias;
 };
-
-// The bits of a weight as fetched (a float64 one as float32: bits_as reads them as F32).
-__device__ __forceinline__ unsigned raw_bits(float v) { return __float_as_uint(v); }
-__device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort(v); }
-__device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
 
 // A row's taps pass through the warp's wpad, SIZE floats: wpad[PAD + k] = w[k], zeros around
 // them (written once). A lane holds up to N taps of the next row in registers (k = lane + 32 j),

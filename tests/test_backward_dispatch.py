@@ -173,3 +173,70 @@ def test_fields_match_the_structs():
     for kernel in _backward_plan.KERNELS:
         fields = ", ".join(_backward_plan.FIELDS + kernel.plan_fields)
         assert f"struct {kernel.params} {{ long long {fields}; }};" in text
+
+
+# ---- bwd_mma's plan (bfloat16 x and weights: arrays described directly, numpy fakes cannot
+# carry bfloat16) -------------------------------------------------------------------------------
+
+
+def bf16_rows(b, c, length, strides=None, ptr=1 << 40):
+    import ml_dtypes
+
+    strides = strides or (c * length, length, 1)
+    return _arrays.Array(
+        None, "cuda", 0, ptr, (b, c, length), strides, np.dtype(ml_dtypes.bfloat16)
+    )
+
+
+@pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
+def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
+    """Every width from MMA_MIN_WIDTH to 256 x short and long rows x aligned and misaligned x:
+    bwd_mma, its shared memory within the opt-in limit (the layout's areas in order, 16-byte
+    aligned), spans a multiple of 256 whose z blocks cover span + D, and runs that cover every
+    item."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
+    for seqlen in (1, 300, 700, 5000):
+        for ptr in (1 << 40, (1 << 40) + 2):
+            for width in range(_backward_plan.MMA_MIN_WIDTH, 257):
+                x = bf16_rows(2, 40, seqlen, ptr=ptr)
+                plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
+                main, reduce_ = plan.launches
+                assert main.name.startswith("bwd_mma<__nv_bfloat16, ") and reduce_.name.startswith(
+                    "bwd_reduce"
+                )
+                f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
+                where = f"L={seqlen} ptr%16={ptr % 16} width {width}: {f}"
+                d = 16 * (_backward_plan._mma_steps(width) - 1)
+                assert d >= width - 1, where
+                warps = main.block[0] // 32
+                assert 1 <= warps <= _backward_plan.CONSTANTS["BWD_MMA_WARPS"], where
+                assert main.smem == warps * f["warp_bytes"] <= limit, where
+                areas = [
+                    f[k] for k in ("dout_at", "dzh_at", "dzl_at", "frag_at", "pad_at", "cd_at")
+                ]
+                assert areas == sorted(areas) and all(a % 16 == 0 for a in areas), where
+                assert f["span"] % 256 == 0 and 128 * f["z_blocks"] >= f["span"] + d, where
+                items = 40 * 2 * -(-seqlen // f["span"])
+                assert 1 <= main.grid and main.grid * warps * f["per"] >= items, where
+                assert plan.n_parts == 2 * -(-seqlen // f["span"]), where
+                assert f["x_aligned"] == (ptr % 16 == 0 and seqlen % 8 == 0), where
+
+
+def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
+    x = bf16_rows(2, 64, 300)
+    cl = bf16_rows(2, 64, 300, strides=(64 * 300, 1, 64))
+
+    def main(x, width=16, seq=False, weight="bfloat16"):
+        return _backward_plan.plan_backward(x, x, x, width, seq, False, weight, 0).launches[0].name
+
+    assert main(x).startswith("bwd_mma")
+    assert main(x, width=_backward_plan.MMA_MIN_WIDTH - 1).startswith("bwd_time")
+    assert main(x, weight="float32").startswith("bwd_time")  # weights of another dtype
+    assert main(x, seq=True).startswith("bwd_time")
+    assert main(x, width=40, seq=True).startswith("bwd_dz")
+    assert main(cl, width=8).startswith("bwd_channel")

@@ -170,6 +170,67 @@ def test_empty(shape):
     run_bwd(batch, dim, seqlen, 4, init=True, dfinal=True, segments=2 if seqlen else 0)
 
 
+# ---- the tensor-core backward (bwd_mma: bfloat16 x and weights, time-contiguous x) ----------
+
+MMA_WIDTHS = (5, 8, 9, 16, 17, 18, 31, 33, 64, 65, 129, 200, 256)
+
+
+@pytest.mark.parametrize("width", MMA_WIDTHS)
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+def test_tensor_core_widths(width, layout):
+    """Spans of 1024 positions and a partial one; rows staged by cp.async or element by element."""
+    run_bwd(2, 37, 1500, width, "bfloat16", layout=layout, seed=width)
+
+
+@pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
+@pytest.mark.parametrize("width", (5, 16, 64, 256))
+def test_tensor_core_features(features, width):
+    f = set(features.split("-"))
+    run_bwd(
+        3, 20, 700, width, "bfloat16", bias="nobias" not in f, silu="nosilu" not in f,
+        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
+        buffers="buffers" in f, seed=width,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 700, 1024, 1025, 2100))
+@pytest.mark.parametrize("width", (8, 40))
+def test_tensor_core_row_lengths(seqlen, width):
+    """Rows shorter than the width, spans cut by the row's end, L < K - 1 with states."""
+    run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
+
+
+@pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
+@pytest.mark.parametrize("width", (8, 33, 256), ids=lambda k: f"width{k}")
+def test_tensor_core_non_finite_values_reach_only_their_taps(width, silu):
+    """inf and NaN in x and dout: the tensor cores' zero band entries must not carry them to a
+    dx or a dweight whose own terms do not include them."""
+    rng = np.random.default_rng(width)
+    shape = (2, 6, 2500)
+    x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
+    x64[0, 1, 700] = np.inf
+    x64[1, 2, 1500:1503] = np.nan
+    x64[1, 4, 2499] = -np.inf  # the row's last position: reaches no dz
+    g64[0, 3, 40] = -np.inf
+    g64[1, 5, 1030] = np.nan
+    w64 = rounded(rng, (6, width), "bfloat16", scale=width**-0.5)
+    b64 = rounded(rng, (6,), "bfloat16")
+    act = "silu" if silu else None
+    x, g = to_gpu(x64, "bfloat16"), to_gpu(g64, "bfloat16")
+    w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
+    got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
+    want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
+    reduction = shape[0] * shape[2]
+    tolerances = (tolerance("bfloat16"), (GRAD_TOLERANCE[0], GRAD_TOLERANCE[1] * reduction**0.5))
+    for name, a, e, (rtol, atol) in zip(("dx", "dweight", "dbias"), got, want,
+                                        (tolerances[0], tolerances[1], tolerances[1])):  # fmt: skip
+        a = a.double().cpu().numpy()
+        finite = np.isfinite(e)
+        assert (~finite).any() and finite.any(), name
+        np.testing.assert_allclose(a[finite], e[finite], rtol=max(rtol, 1e-2), atol=atol)
+        assert not np.isfinite(a[~finite]).any(), name
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_repeatable(layout):
     """Every output the same over repeated runs (no floating-point atomics)."""

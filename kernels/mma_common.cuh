@@ -1,0 +1,44 @@
+// mma_common.cuh: the tensor-core helpers fwd_mma and bwd_mma share (16-bit operands, float32
+// accumulators; sm_80 and newer).
+#pragma once
+#include "common.cuh"
+
+// acc += A B for one m16n8k16 MMA of 16-bit TYPE ("bf16" or "f16") operands, float32 accumulator.
+#define MMA_SYNC(TYPE, acc, a, b0, b1)                                                           \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                         \
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+template <typename T> struct MmaOp;
+template <> struct MmaOp<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        MMA_SYNC("bf16", c, a, b0, b1);
+    }
+};
+template <> struct MmaOp<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        MMA_SYNC("f16", c, a, b0, b1);
+    }
+};
+
+// Two values as one 32-bit word of T (the first in the low half).
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    T v[2] = {from_acc<T>(lo), from_acc<T>(hi)};
+    return *reinterpret_cast<unsigned*>(v);
+}
+
+// The bits of a weight as fetched (a float64 one as float32: bits_as reads them as F32).
+__device__ __forceinline__ unsigned raw_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
+
+// The four 8x8 matrices of 16-bit values whose rows lanes 8 q .. 8 q + 7 address (16 bytes a
+// row, 16-byte aligned), transposed: r[q] holds, for lane (g, tg), elements (2 tg, g) and
+// (2 tg + 1, g) of matrix q.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+}
