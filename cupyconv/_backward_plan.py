@@ -40,14 +40,15 @@ CONSTANTS = {
     "WEIGHT_RUN": 16,  # bwd_weight: positions per run
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
-    "BWD_MMA_WARPS": 4,  # bwd_mma: warps per block (independent)
-    "BWD_MMA_LAGS": 2,  # bwd_mma: block lags of dweight's C_d a pass accumulates
+    "BWD_MMA_WARPS": 2,  # bwd_mma: warps per block (independent)
+    "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
+    "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass sums up per item, for more lags
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
 # bwd_mma (bfloat16 x and weights, time-contiguous x, no seq_idx) from this width on, for spans
 # of up to MMA_SPAN positions (a multiple of 256).
-MMA_MIN_WIDTH, MMA_SPAN = 5, 1024
+MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
@@ -100,8 +101,8 @@ WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH)
 MMA = Kernel(
     "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
     (
-        "x_aligned", "dout_aligned", "dx_aligned", "span", "z_blocks", "per", "warp_bytes",
-        "dout_at", "dzh_at", "dzl_at", "frag_at", "pad_at", "cd_at",
+        "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "warp_bytes",
+        "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "cd_at",
     ),
 )  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
@@ -263,23 +264,27 @@ def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
 
 def _mma_layout(span: int, steps: int) -> dict:
     """One bwd_mma warp's shared memory for spans of ``span`` positions: byte offsets of its
-    areas (x: two buffers of D + 128 NZ inputs from D before the span; dout: two of 128 NZ;
-    dz's high and low halves, 128 NZ each; the fragments of z and dx, 512 bytes a k-step each;
-    the padded taps, forward and reversed, 2 D + 32 floats each; BWD_MMA_LAGS C_d of 256
-    floats), their total ``warp_bytes`` and ``z_blocks`` NZ (128-position blocks over span + D)."""
+    areas and their total ``warp_bytes``. With D = 16 (steps - 1) and TB = ceil(D / 128) blocks
+    of dz past the span (a run's first item computes them, in buffer 0): buffer 0, x (D + span +
+    128 TB inputs) then dout (span + 128 TB; dz's high half in its place); buffer 1, x (D +
+    span) then dout (span + D); dz's low half, span + 128 TB; the fragments of z and dx, 512
+    bytes a k-step each; the padded taps, forward and reversed, 2 D + 32 floats each; for more
+    than BWD_MMA_LAGS lags the C_d of a pass, BWD_MMA_PASS_LAGS x 256 floats (fewer are held
+    in registers and summed up through a buffer)."""
     d = 16 * (steps - 1)
-    nz = -(-(span + d) // 128)
-    x_len, dz_len = d + 128 * nz, 128 * nz
-    dout_at = 2 * 2 * x_len
-    dzh_at = dout_at + 2 * 2 * dz_len
-    dzl_at = dzh_at + 2 * dz_len
+    dz_len = span + 128 * -(-d // 128)
+    dout_at = 2 * (d + dz_len)
+    x1_at = dout_at + 2 * dz_len
+    dout1_at = x1_at + 2 * (d + span)
+    dzl_at = dout1_at + 2 * (span + d)
     frag_at = dzl_at + 2 * dz_len
     pad_at = frag_at + 2 * steps * 512
     cd_at = pad_at + 2 * (2 * d + 32) * 4
-    warp_bytes = cd_at + CONSTANTS["BWD_MMA_LAGS"] * 256 * 4
+    passes = steps > CONSTANTS["BWD_MMA_LAGS"]
     return dict(
-        z_blocks=nz, warp_bytes=warp_bytes, dout_at=dout_at, dzh_at=dzh_at, dzl_at=dzl_at,
-        frag_at=frag_at, pad_at=pad_at, cd_at=cd_at,
+        warp_bytes=cd_at + (CONSTANTS["BWD_MMA_PASS_LAGS"] * 256 * 4 if passes else 0),
+        dout_at=dout_at, x1_at=x1_at, dout1_at=dout1_at, dzl_at=dzl_at, frag_at=frag_at,
+        pad_at=pad_at, cd_at=cd_at,
     )  # fmt: skip
 
 

@@ -26,13 +26,14 @@
 //
 // Non-finite values: an MMA multiplies every input of its window by every row of A, zeros
 // included, so a non-finite input would reach outputs outside its taps (0 inf = NaN), and a
-// non-finite dz splits into a NaN low half. When an item's dz window has a non-finite value
-// (or a finite one that bfloat16 cannot hold), z is computed again from its own taps wherever
-// dz is not finite, and the item's dx, dweight and dbias are then computed from their own taps
-// (bwd_mma_exact); a dx or dweight that comes out of the MMAs non-finite (non-finite weights)
-// is computed again the same way. p.x_aligned / p.dout_aligned: rows time-contiguous and
-// 16-byte aligned (else staged element by element); p.dx_aligned: dx rows time-contiguous and
-// 4-byte aligned (else written element by element).
+// non-finite dz splits into a NaN low half. A non-finite x, weight or bias makes z non-finite
+// where its window reaches (dz too, with the activation; the sum of z is checked without it),
+// and a non-finite dz makes the item's sum of dz non-finite: then z is computed again from its
+// own taps wherever dz is not finite, and the item's dx, dweight and dbias terms from their own
+// taps (bwd_mma_exact). (A finite dz beyond bfloat16's largest value, ~3.4e38, rounds to inf in
+// the high half: its dx is not finite either way.) p.x_aligned / p.dout_aligned: rows
+// time-contiguous and 16-byte aligned (else staged element by element); p.dx_aligned: dx rows
+// time-contiguous and 4-byte aligned (else written element by element).
 #include "bwd_common.cuh"
 #include "mma_common.cuh"
 
@@ -48,6 +49,12 @@ struct MmaTaps {
 template <int N> struct Count { static constexpr int value = N; };
 
 __device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }
+// a and b rounded to bfloat16, a in the low half.
+__device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
 __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // The A fragments of a banded Toeplitz matrix, element (o, e) of k-step s = pad[PAD + 16 s + e -
@@ -69,12 +76,11 @@ __device__ __forceinline__ void build_fragments(const float* pad, int shift, uin
 }
 
 // acc[j] += the Toeplitz product of `frag` with the window at win + 128 j (J blocks of 128
-// outputs), and with the window at lo + 128 j too when LO.
-template <int KS, int J, bool LO>
-__device__ __forceinline__ void toeplitz(float (&acc)[J][4], const uint4* frag, const bf16* win, const bf16* lo) {
+// outputs).
+template <int KS, int J>
+__device__ __forceinline__ void toeplitz(float (&acc)[J][4], const uint4* frag, const bf16* win) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const uint2* in = reinterpret_cast<const uint2*>(win) + 4 * g + tg;
-    const uint2* in_lo = reinterpret_cast<const uint2*>(lo) + 4 * g + tg;
     #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const uint4 f = frag[32 * ks + lane];
@@ -83,10 +89,6 @@ __device__ __forceinline__ void toeplitz(float (&acc)[J][4], const uint4* frag, 
         for (int j = 0; j < J; ++j) {
             const uint2 bw = in[32 * j + 4 * ks];
             MmaOp<bf16>::run(acc[j], a, bw.x, bw.y);
-            if constexpr (LO) {
-                const uint2 bl = in_lo[32 * j + 4 * ks];
-                MmaOp<bf16>::run(acc[j], a, bl.x, bl.y);
-            }
         }
     }
 }
@@ -96,98 +98,184 @@ __device__ __forceinline__ float dz_of(const bf16* dzh, const bf16* dzl, int p) 
     return __bfloat162float(dzh[p]) + __bfloat162float(dzl[p]);
 }
 
-// The exact path of an item whose dz window (positions 0 .. n_dz - 1) has a non-finite value
-// or whose MMA results came out non-finite: with fix_dz, z again from its own taps wherever
-// dz is not finite (hi or lo not finite), dz stored back with lo = 0 where it is not finite;
-// then, as asked, dx (n_out positions, written to dxr) and the item's dweight / dbias sums
-// (dw: this lane's taps k = lane + 32 j; db: the warp's sum) from their own taps. Out of line:
-// it is rarely called.
+// How many block lags bwd_mma's C_d accumulators hold: all KS of them up to BWD_MMA_LAGS (kept in
+// registers over the items of a channel), else BWD_MMA_PASS_LAGS a pass (summed up per item).
+__host__ __device__ constexpr int mma_lags(int KS) { return KS <= BWD_MMA_LAGS ? KS : BWD_MMA_PASS_LAGS; }
+
+// Adds the diagonals of the C_d (lags d0 .. d0 + LP - 1, at cd[256 l + 16 a + e]) to this lane's
+// dweight sums dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
+template <int KS, int LP>
+__device__ __forceinline__ void add_diagonals(const float* cd, int d0, int width, float (&dw)[MmaTaps<KS>::N]) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int j = 0; j < MmaTaps<KS>::N; ++j) {
+        const int k = lane + 32 * j, lag = width - 1 - k;  // lag = 16 d + e - a
+        if (k < width) {
+            #pragma unroll
+            for (int l = 0; l < LP; ++l) {
+                const int e = lag - 16 * (d0 + l);  // e - a
+                if (d0 + l < KS && e > -16 && e < 16) {
+                    const float* diag = cd + 256 * l + e;
+                    float sum = 0.f;
+                    for (int a = max(0, -e); a < min(16, 16 - e); ++a) sum += diag[17 * a];
+                    dw[j] += sum;
+                }
+            }
+        }
+    }
+}
+
+// Writes C_d accumulators (c0 (a = g, e = 8 h + 2 tg), c1 (g, e + 1), c2 (g + 8, e), c3 (g + 8,
+// e + 1) of lag l, half h) to cd.
+template <int LP>
+__device__ __forceinline__ void dump_lags(float* cd, const float (&cacc)[LP][2][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    #pragma unroll
+    for (int l = 0; l < LP; ++l) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float* const at = cd + 256 * l + 16 * g + 8 * h + 2 * tg;
+            *reinterpret_cast<float2*>(at) = make_float2(cacc[l][h][0], cacc[l][h][1]);
+            *reinterpret_cast<float2*>(at + 128) = make_float2(cacc[l][h][2], cacc[l][h][3]);
+        }
+    }
+}
+
+// cacc[l] += C_{d0 + l} over positions 0 .. S - 1 (16 blocks of 16 an MMA step; x at xs, from D
+// before position 0; dz's halves at dzh, dzl).
+template <int KS, int LP>
+__device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, int S, const bf16* xs, const bf16* dzh,
+                                             const bf16* dzl) {
+    constexpr int D = MmaTaps<KS>::D;
+    const int lane = threadIdx.x & 31, mq = lane >> 3, mr = lane & 7;  // ldmatrix: matrix mq, row mr
+    const int row_at = 16 * (mr + 8 * (mq >> 1)) + 8 * (mq & 1);
+    #pragma unroll 1
+    for (int q0 = 0; q0 < S; q0 += 256) {
+        unsigned bh[4], bl[4];
+        ldmatrix_x4_trans(bh, dzh + q0 + row_at);
+        ldmatrix_x4_trans(bl, dzl + q0 + row_at);
+        #pragma unroll
+        for (int l = 0; l < LP; ++l) {
+            if (d0 + l < KS) {
+                unsigned a[4];
+                ldmatrix_x4_trans(a, xs + D + q0 - 16 * (d0 + l) + row_at);
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    MmaOp<bf16>::run(cacc[l][h], a, bh[h], bh[2 + h]);
+                    MmaOp<bf16>::run(cacc[l][h], a, bl[h], bl[2 + h]);
+                }
+            }
+        }
+    }
+}
+
+// The exact path of an item whose dz window has a non-finite value: z again from its own taps
+// wherever dz (hi or lo) is not finite among the n_fix positions this item computed (dout read
+// again from dr, the row at the span), dz stored back with lo = 0 where it is not finite; then dx (n_out positions, to dxr) and the item's
+// dweight terms (added to dw: taps k = lane + 32 j) and dbias terms (added to db, this lane's
+// positions) from their own taps. Out of line: it is rarely called.
 template <int KS, typename P>
-__device__ __noinline__ void bwd_mma_exact(bool fix_dz, bool do_dx, bool do_dw, const bf16* xs, const bf16* ds,
-                                           bf16* dzh, bf16* dzl, const float* pad, const float* rev,
-                                           float bias_c, int n_dz, int n_out, bf16* dxr, const P& p,
-                                           float* dw, float& db) {
+__device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
+                                           const float* rev, float bias_c, int n_fix, int n_out, bf16* dxr,
+                                           const P& p, float* dw, float& db) {
     constexpr int D = MmaTaps<KS>::D, PAD = MmaTaps<KS>::PAD, N = MmaTaps<KS>::N;
     const int lane = threadIdx.x & 31, width = (int)p.width;
-    if (fix_dz) {
-        for (int q = lane; q < n_dz; q += 32) {
-            const float h = __bfloat162float(dzh[q]), l = __bfloat162float(dzl[q]);
-            if (isfinite(h) && isfinite(l)) continue;
-            float g = __bfloat162float(ds[q]);
-            if (p.silu_act) {
-                float z = bias_c;
-                for (int k = 0; k < width; ++k) z += pad[PAD + k] * __bfloat162float(xs[D + q - (width - 1) + k]);
-                g *= silu_grad(z);
-            }
-            const bf16 hi = __float2bfloat16_rn(g);
-            const float rest = g - __bfloat162float(hi);
-            dzh[q] = hi;
-            dzl[q] = __float2bfloat16_rn(isfinite(rest) ? rest : 0.f);
+    for (int q = lane; q < n_fix; q += 32) {
+        if (isfinite(__bfloat162float(dzh[q])) && isfinite(__bfloat162float(dzl[q]))) continue;
+        float g = __bfloat162float(dr[q * p.dout_l_stride]);  // (q is inside the row)
+        if (p.silu_act) {
+            float z = bias_c;
+            for (int k = 0; k < width; ++k) z += pad[PAD + k] * __bfloat162float(xs[D + q - (width - 1) + k]);
+            g *= silu_grad(z);
         }
-        __syncwarp();
+        const bf16 hi = __float2bfloat16_rn(g);
+        const float rest = g - __bfloat162float(hi);
+        dzh[q] = hi;
+        dzl[q] = __float2bfloat16_rn(isfinite(rest) ? rest : 0.f);
     }
-    if (do_dx) {
-        for (int o = lane; o < n_out; o += 32) {
-            float a = 0.f;
-            for (int j = 0; j < width; ++j) a += rev[PAD + j] * dz_of(dzh, dzl, o + j);
-            dxr[o * p.dx_l_stride] = __float2bfloat16_rn(a);
-        }
+    __syncwarp();
+    for (int o = lane; o < n_out; o += 32) {
+        float a = 0.f;
+        for (int j = 0; j < width; ++j) a += rev[PAD + j] * dz_of(dzh, dzl, o + j);
+        dxr[o * p.dx_l_stride] = __float2bfloat16_rn(a);
+        db += dz_of(dzh, dzl, o);
     }
-    if (do_dw) {
-        #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            const int k = lane + 32 * j;
+    #pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int k = lane + 32 * j;
+        if (k < width) {
             float a = 0.f;
-            if (k < width)
-                for (int q = 0; q < n_out; ++q) a += __bfloat162float(xs[D + q - (width - 1) + k]) * dz_of(dzh, dzl, q);
-            dw[j] = a;
+            for (int q = 0; q < n_out; ++q) a += __bfloat162float(xs[D + q - (width - 1) + k]) * dz_of(dzh, dzl, q);
+            dw[j] += a;
         }
-        float s = 0.f;
-        for (int q = lane; q < n_out; q += 32) s += dz_of(dzh, dzl, q);
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        db = s;
     }
     __syncwarp();
 }
 
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
+__global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
     constexpr int D = MmaTaps<KS>::D, PAD = MmaTaps<KS>::PAD, N = MmaTaps<KS>::N;
-    constexpr int LP = BWD_MMA_LAGS;  // block lags a pass of step 3 accumulates
+    constexpr int LP = mma_lags(KS), HOLD = KS <= BWD_MMA_LAGS;  // HOLD: C_d kept over items
+    constexpr int TB = (D + 127) / 128;  // blocks of dz past the span a run's first item computes
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
-    const int width = (int)p.width, S = (int)p.span, NZ = (int)p.z_blocks, XL = D + 128 * NZ, DL = 128 * NZ;
+    const int width = (int)p.width, S = (int)p.span, DL = S + 128 * TB;
     const bool x_aligned = p.x_aligned != 0, dout_aligned = p.dout_aligned != 0, dx_aligned = p.dx_aligned != 0;
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* const mine = smem_raw + (threadIdx.x >> 5) * p.warp_bytes;
-    T* const xs0 = reinterpret_cast<T*>(mine);                // two buffers of XL: x at t0 - D ..
-    T* const ds0 = reinterpret_cast<T*>(mine + p.dout_at);    // two buffers of DL: dout at t0 ..
-    T* const dzh = reinterpret_cast<T*>(mine + p.dzh_at);     // DL: dz's high half at t0 ..
-    T* const dzl = reinterpret_cast<T*>(mine + p.dzl_at);     // DL: its low half
+    // Buffer b: x at t0 - D .. and, right after it, dout at t0 .. (then dz's high half in its
+    // place); buffer 0 also holds the TB blocks past the span a run's first item needs.
+    T* const x0 = reinterpret_cast<T*>(mine), *const x1 = reinterpret_cast<T*>(mine + p.x1_at);
+    T* const dout0 = reinterpret_cast<T*>(mine + p.dout_at), *const dout1 = reinterpret_cast<T*>(mine + p.dout1_at);
+    T* const dzl = reinterpret_cast<T*>(mine + p.dzl_at);     // DL: dz's low half
     uint4* const zf = reinterpret_cast<uint4*>(mine + p.frag_at);  // 32 KS: z's fragments
     uint4* const xf = zf + 32 * KS;                                 // 32 KS: dx's
     float* const pad = reinterpret_cast<float*>(mine + p.pad_at);  // SIZE: the taps, z's band
     float* const rev = pad + MmaTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
-    float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // LP x 256: C_d of a pass
+    float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // LP x 256: a pass's C_d
     for (int i = lane; i < 2 * MmaTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
 
+    // Items: spans sp of rows (c, b), channel-major, the spans of a row last to first, so that
+    // an item's dz past its span (the next span's first D) is the one before's first D.
     const int64 spans = (seqlen + S - 1) / S, n_items = dim * batch * spans;
     const int64 first = grid_warp() * p.per, end = min(first + p.per, n_items);
     if (first >= end) return;
-
-    // Stages item i (channel-major) into buffer `buf`.
-    auto stage = [&](int64 i, int buf) {
-        int64 cb, sp, c, b;
-        divmod(i, spans, cb, sp);
-        divmod(cb, batch, c, b);
-        const int64 t0 = sp * S;
-        T* const xs = xs0 + buf * XL;
-        T* const ds = ds0 + buf * DL;
-        const T* const xr = x + b * p.x_batch_stride + c * p.x_c_stride;
-        const T* const dr = dout + b * p.dout_batch_stride + c * p.dout_c_stride;
-        for (int v = lane; v < XL / 8; v += 32) {
+    struct Item {
+        int64 c, b, sp;
+        __device__ void next(int64 batch, int64 spans) {
+            if (sp > 0) { --sp; return; }
+            sp = spans - 1;
+            if (++b == batch) { b = 0; ++c; }
+        }
+    };
+    Item item;
+    {
+        int64 cb, r;
+        divmod(first, spans, cb, r);
+        divmod(cb, batch, item.c, item.b);
+        item.sp = spans - 1 - r;
+    }
+    // Stages item `it` into buffer `buf`: x from D before the span, dout from the span, each
+    // over the span and, when `tail`, TB more blocks.
+    auto stage = [&](const Item& it, int buf, bool tail) {
+        const int64 t0 = it.sp * S;
+        T* const xs = buf ? x1 : x0;
+        T* const ds = buf ? dout1 : dout0;
+        const T* const xr = x + it.b * p.x_batch_stride + it.c * p.x_c_stride;
+        const T* const dr = dout + it.b * p.dout_batch_stride + it.c * p.dout_c_stride;
+        const int xv = (D + S + (tail ? 128 * TB : 0)) / 8, dv = (S + (tail ? 128 * TB : 0)) / 8;
+        if (x_aligned && dout_aligned && t0 >= D && t0 + 8 * dv <= seqlen) {  // inside the row
+            const uint4* src = reinterpret_cast<const uint4*>(xr + t0 - D) + lane;
+            unsigned dst = smem_address(xs) + 16 * lane;
+            for (int v = lane; v < xv; v += 32, src += 32, dst += 512) cp_async_shared16(dst, src);
+            src = reinterpret_cast<const uint4*>(dr + t0) + lane;
+            dst = smem_address(ds) + 16 * lane;
+            for (int v = lane; v < dv; v += 32, src += 32, dst += 512) cp_async_shared16(dst, src);
+            cp_async_commit();
+            return;
+        }
+        for (int v = lane; v < xv; v += 32) {
             const int64 pos = t0 - D + 8 * v;
             if (x_aligned && pos >= 0 && pos + 8 <= seqlen) {
                 cp_async<16>(xs + 8 * v, xr + pos, 16);
@@ -197,11 +285,11 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const 
                     const int64 s = pos + e;
                     xs[8 * v + e] = s >= seqlen || s < -(width - 1)
                                         ? T()
-                                        : from_acc<T>(input_at<float>(x, initial_states, p, b, c, s));
+                                        : from_acc<T>(input_at<float>(x, initial_states, p, it.b, it.c, s));
                 }
             }
         }
-        for (int v = lane; v < DL / 8; v += 32) {
+        for (int v = lane; v < dv; v += 32) {
             const int64 pos = t0 + 8 * v;
             if (dout_aligned && pos + 8 <= seqlen) {
                 cp_async<16>(ds + 8 * v, dr + pos, 16);
@@ -213,188 +301,200 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const 
         cp_async_commit();
     };
 
-    stage(first, 0);
+    Item cur = item, nxt = item;
+    const bool first_tail = cur.sp < spans - 1;  // the run starts inside a row: its dz past the span
+    stage(cur, 0, first_tail);
     int64 channel = -1;
     float bias_c = 0.f;
+    float cacc[LP][2][4] = {};
+    float dw[N] = {}, db = 0.f;  // this lane's dweight (taps lane + 32 j) and dbias terms
+    bool carried_nonfinite = false;
     for (int64 i = first; i < end; ++i) {
         const int buf = (int)((i - first) & 1);
+        const bool tail = i == first && first_tail;  // dz past the span computed here
         if (i + 1 < end) {
-            stage(i + 1, buf ^ 1);
+            nxt.next(batch, spans);
+            stage(nxt, buf ^ 1, false);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
-        int64 cb, sp, c, b;
-        divmod(i, spans, cb, sp);
-        divmod(cb, batch, c, b);
-        const int64 t0 = sp * S;
+        const int64 t0 = cur.sp * S;
+        const bool last_span = cur.sp == spans - 1;
         const int lim = (int)min(seqlen - t0, (int64)DL);  // positions of the row in the dz window
         const int n_out = min(lim, S);
-        const T* const xs = xs0 + buf * XL;
-        const T* const ds = ds0 + buf * DL;
-        if (c != channel) {  // the channel's taps and fragments
-            channel = c;
+        const T* const xs = buf ? x1 : x0;
+        T* const dzh = buf ? dout1 : dout0;  // dout until step 1 turns it into dz's high half
+        if (cur.c != channel) {  // the channel's taps and fragments
+            channel = cur.c;
             __syncwarp();
             #pragma unroll
             for (int j = 0; j < N; ++j) {
                 const int k = lane + 32 * j;
                 if (k < width) {
-                    const float w = load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride);
+                    const float w = load_as<float>(weight, (int)p.weight_dtype,
+                                                   cur.c * p.weight_c_stride + k * p.weight_width_stride);
                     pad[PAD + k] = w;
                     rev[PAD + width - 1 - k] = w;
                 }
             }
-            bias_c = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+            bias_c = bias ? load_as<float>(bias, (int)p.bias_dtype, cur.c * p.bias_stride) : 0.f;
             __syncwarp();
             build_fragments<KS>(pad, D - width + 1, zf);
             build_fragments<KS>(rev, 0, xf);
         }
-        __syncwarp();  // the item's stage (and the fragments) are in
+        if (last_span) {  // dz past the row: 0
+            for (int q = S + lane; q < S + D; q += 32) dzh[q] = dzl[q] = T();
+        }
+        __syncwarp();  // the item's stage, the fragments and the carried dz are in
 
-        // 1. dz at 0 .. DL - 1 (hi, lo), dbias over 0 .. S - 1.
-        float db = 0.f;
-        bool nonfinite = false;
-        auto dz_blocks = [&](int blk, auto j_count, auto silu_flag) {
+        // 1. dz at 0 .. S - 1 (and the TB blocks past the span for a run's first item): z from
+        // the tensor cores (also without the activation: a non-finite z means a non-finite x,
+        // weight or bias), dz = dout silu'(z) split into hi and lo (0 past the row, where dout
+        // is staged as 0), and the span's dbias terms.
+        bool nonfinite = carried_nonfinite;
+        // this lane's dbias terms of the span, and the sum of its dz past the span: either is
+        // non-finite when a dz is (or a finite dz bfloat16 cannot hold: its sum overflows too)
+        float item_db = 0.f, past = 0.f;
+        auto dz_blocks = [&](int blk, auto j_count, auto silu_flag, auto span_flag) {
             constexpr int J = decltype(j_count)::value;
-            constexpr bool SILU = decltype(silu_flag)::value;
+            constexpr bool SILU = decltype(silu_flag)::value, SPAN = decltype(span_flag)::value;
             float acc[J][4];
             #pragma unroll
             for (int j = 0; j < J; ++j) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[j][r] = bias_c;
             }
-            if constexpr (SILU) toeplitz<KS, J, false>(acc, zf, xs + 128 * blk, nullptr);
+            toeplitz<KS, J>(acc, zf, xs + 128 * blk);
             #pragma unroll
             for (int j = 0; j < J; ++j) {
-                // c0, c2: positions p0, p0 + 1; c1, c3: p0 + 16, p0 + 17
+                if constexpr (!SILU) past += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);  // z
+                // c0, c2: positions q, q + 1 (q = p0 + 16 h: c1, c3 for h = 1)
                 const int p0 = 128 * (blk + j) + 32 * tg + 2 * g;
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int q = p0 + 16 * h;
-                    const unsigned d2 = reinterpret_cast<const unsigned*>(ds)[q >> 1];
+                    const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
                     float g0 = low_half(d2), g1 = high_half(d2);
                     if constexpr (SILU) {
                         g0 *= silu_grad(acc[j][h]);
                         g1 *= silu_grad(acc[j][2 + h]);
                     }
-                    if (q >= lim) g0 = 0.f;
-                    if (q + 1 >= lim) g1 = 0.f;
-                    if (q < S) db += g0 + g1;
-                    const unsigned hi = pack2<T>(g0, g1);
-                    const float l0 = g0 - low_half(hi), l1 = g1 - high_half(hi);
-                    nonfinite |= !isfinite(l0 + l1);
+                    if constexpr (SPAN) item_db += g0 + g1;
+                    else past += g0 + g1;
+                    const unsigned hi = bf16x2_bits(g0, g1);
                     reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
-                    reinterpret_cast<unsigned*>(dzl)[q >> 1] = pack2<T>(l0, l1);
+                    reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
                 }
             }
         };
         auto all_dz = [&](auto silu_flag) {
-            int blk = 0;
             #pragma unroll 1
-            for (; blk + 2 <= NZ; blk += 2) dz_blocks(blk, Count<2>(), silu_flag);
-            if (blk < NZ) dz_blocks(blk, Count<1>(), silu_flag);
+            for (int blk = 0; blk < S / 128; blk += 2) dz_blocks(blk, Count<2>(), silu_flag, Flag<true>());
+            if (tail) {
+                #pragma unroll 1
+                for (int blk = S / 128; blk < S / 128 + TB; ++blk) dz_blocks(blk, Count<1>(), silu_flag, Flag<false>());
+            }
         };
         if (p.silu_act) all_dz(Flag<true>());
         else all_dz(Flag<false>());
-        nonfinite = __any_sync(0xffffffffu, nonfinite);
+        nonfinite = __any_sync(0xffffffffu, nonfinite || !isfinite(item_db + past));
         __syncwarp();
 
-        T* const dxr = dx + b * p.dx_batch_stride + c * p.dx_c_stride + t0 * p.dx_l_stride;
-        float dw[N];
+        T* const dxr = dx + cur.b * p.dx_batch_stride + cur.c * p.dx_c_stride + t0 * p.dx_l_stride;
         if (nonfinite) {
-            bwd_mma_exact<KS>(true, true, true, xs, ds, dzh, dzl, pad, rev, bias_c, lim, n_out, dxr, p, dw, db);
+            const int n_fix = min(lim, tail ? DL : S);
+            const T* const dr = dout + cur.b * p.dout_batch_stride + cur.c * p.dout_c_stride + t0 * p.dout_l_stride;
+            bwd_mma_exact<KS>(xs, dr, dzh, dzl, pad, rev, bias_c, n_fix, n_out, dxr, p, dw, db);
         } else {
-            // 2. dx at 0 .. n_out - 1.
-            bool bad_dx = false;
-            #pragma unroll 1
-            for (int blk = 0; blk < S / 128; blk += 2) {
-                float acc[2][4] = {};
-                toeplitz<KS, 2, true>(acc, xf, dzh + 128 * blk, dzl + 128 * blk);
-                #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    bad_dx |= !isfinite((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
+            db += item_db;
+            // 2. dx at 0 .. n_out - 1: pairs of positions, stored whole where the span is in
+            // the row and dx's rows are aligned, else one by one.
+            auto dx_blocks = [&](auto whole_flag) {
+                constexpr bool WHOLE = decltype(whole_flag)::value;
+                const int lane_at = 32 * tg + 2 * g;  // + 128 block + 16 h
+                unsigned* const pairs = reinterpret_cast<unsigned*>(dxr + lane_at);
+                #pragma unroll 1
+                for (int blk = 0; blk < S / 128; blk += 2) {
+                    float acc[2][4] = {}, acc_lo[2][4] = {};  // two chains a block: hi and lo
+                    toeplitz<KS, 2>(acc, xf, dzh + 128 * blk);
+                    toeplitz<KS, 2>(acc_lo, xf, dzl + 128 * blk);
                     #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int q = 128 * (blk + j) + 32 * tg + 2 * g + 16 * h;
-                        if (dx_aligned && q + 1 < n_out) {
-                            *reinterpret_cast<unsigned*>(dxr + q) = pack2<T>(acc[j][h], acc[j][2 + h]);
-                        } else {
-                            if (q < n_out) dxr[q * p.dx_l_stride] = from_acc<T>(acc[j][h]);
-                            if (q + 1 < n_out) dxr[(q + 1) * p.dx_l_stride] = from_acc<T>(acc[j][2 + h]);
+                    for (int j = 0; j < 2; ++j) {
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float a0 = acc[j][h] + acc_lo[j][h], a1 = acc[j][2 + h] + acc_lo[j][2 + h];
+                            if constexpr (WHOLE) {
+                                pairs[64 * (blk + j) + 8 * h] = bf16x2_bits(a0, a1);
+                            } else {
+                                const int q = 128 * (blk + j) + lane_at + 16 * h;
+                                if (q < n_out) dxr[q * p.dx_l_stride] = from_acc<T>(a0);
+                                if (q + 1 < n_out) dxr[(q + 1) * p.dx_l_stride] = from_acc<T>(a1);
+                            }
                         }
                     }
+                }
+            };
+            if (dx_aligned && n_out == S) dx_blocks(Flag<true>());
+            else dx_blocks(Flag<false>());
+            // 3. the dweight terms: the C_d over the span (kept over the channel's items, or a
+            // pass of LP lags at a time summed up now).
+            if constexpr (HOLD) {
+                lag_products<KS, LP>(cacc, 0, S, xs, dzh, dzl);
+            } else {
+                #pragma unroll 1
+                for (int d0 = 0; d0 < KS; d0 += LP) {
+                    float pass[LP][2][4] = {};
+                    lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
+                    dump_lags<LP>(cd, pass);
+                    __syncwarp();
+                    add_diagonals<KS, LP>(cd, d0, width, dw);
+                    __syncwarp();
                 }
             }
-            // 3. dweight: LP lags a pass, 256 positions (16 blocks of 16) an MMA step.
-            #pragma unroll
-            for (int j = 0; j < N; ++j) dw[j] = 0.f;
-            const int mq = lane >> 3, mr = lane & 7;  // this lane's ldmatrix row: matrix mq, row mr
-            const int row_at = 16 * (mr + 8 * (mq >> 1)) + 8 * (mq & 1);
-            #pragma unroll 1
-            for (int d0 = 0; d0 < KS; d0 += LP) {
-                float cacc[LP][2][4] = {};
-                #pragma unroll 1
-                for (int q0 = 0; q0 < S; q0 += 256) {
-                    unsigned bh[4], bl[4];
-                    ldmatrix_x4_trans(bh, dzh + q0 + row_at);
-                    ldmatrix_x4_trans(bl, dzl + q0 + row_at);
-                    #pragma unroll
-                    for (int l = 0; l < LP; ++l) {
-                        if (d0 + l < KS) {
-                            unsigned a[4];
-                            ldmatrix_x4_trans(a, xs + D + q0 - 16 * (d0 + l) + row_at);
-                            #pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                MmaOp<T>::run(cacc[l][h], a, bh[h], bh[2 + h]);
-                                MmaOp<T>::run(cacc[l][h], a, bl[h], bl[2 + h]);
-                            }
-                        }
-                    }
-                }
-                // C_d[a][e] of lag d0 + l at cd[256 l + 16 a + e]: c0 (g, 8 h + 2 tg), c1 (g, + 1),
-                // c2 (g + 8, 8 h + 2 tg), c3 (g + 8, + 1)
+        }
+        carried_nonfinite = nonfinite;
+        __syncwarp();  // dz's readers are done
+        // dz at 0 .. D - 1 is the next item's dz past its span (when it is the span before; the
+        // next item's buffer holds dout at 0 .. S - 1 only).
+        T* const next_dzh = buf ? dout0 : dout1;
+        for (int q = lane; q < D; q += 32) {
+            next_dzh[S + q] = dzh[q];
+            dzl[S + q] = dzl[q];
+        }
+        // The item's part of the partials: the channel's sums so far at its last item in the
+        // run, zeros before.
+        const bool flush = i + 1 == end || nxt.c != cur.c;
+        float* const part = partials + ((cur.b * spans + cur.sp) * dim + cur.c) * (width + 1);
+        if (flush) {
+            if constexpr (HOLD) {  // a lag at a time through the item's buffer, done with now
+                float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
                 #pragma unroll
                 for (int l = 0; l < LP; ++l) {
+                    const float(&one)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&cacc[l]);
+                    dump_lags<1>(lag_at, one);
+                    __syncwarp();
+                    add_diagonals<KS, 1>(lag_at, l, width, dw);
+                    __syncwarp();
                     #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float* const at = cd + 256 * l + 16 * g + 8 * h + 2 * tg;
-                        *reinterpret_cast<float2*>(at) = make_float2(cacc[l][h][0], cacc[l][h][1]);
-                        *reinterpret_cast<float2*>(at + 128) = make_float2(cacc[l][h][2], cacc[l][h][3]);
-                    }
-                }
-                __syncwarp();
-                #pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    const int k = lane + 32 * j, lag = width - 1 - k;  // lag = 16 d + e - a
-                    if (k < width) {
+                    for (int h = 0; h < 2; ++h)
                         #pragma unroll
-                        for (int l = 0; l < LP; ++l) {
-                            const int e = lag - 16 * (d0 + l);  // e - a
-                            if (d0 + l < KS && e > -16 && e < 16) {
-                                const float* diag = cd + 256 * l + e;
-                                for (int a = max(0, -e); a < min(16, 16 - e); ++a) dw[j] += diag[17 * a];
-                            }
-                        }
-                    }
+                        for (int r = 0; r < 4; ++r) cacc[l][h][r] = 0.f;
                 }
-                __syncwarp();
             }
             #pragma unroll
             for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-            bool bad_dw = !isfinite(db);
             #pragma unroll
-            for (int j = 0; j < N; ++j) bad_dw |= !isfinite(dw[j]);
-            bad_dx = __any_sync(0xffffffffu, bad_dx);
-            bad_dw = __any_sync(0xffffffffu, bad_dw);
-            if (bad_dx || bad_dw)
-                bwd_mma_exact<KS>(false, bad_dx, bad_dw, xs, ds, dzh, dzl, pad, rev, bias_c, lim, n_out, dxr, p,
-                                  dw, db);
+            for (int j = 0; j < N; ++j) {
+                if (lane + 32 * j < width) part[lane + 32 * j] = dw[j];
+                dw[j] = 0.f;
+            }
+            if (lane == 0) part[width] = db;
+            db = 0.f;
+        } else {
+            for (int k = lane; k <= width; k += 32) part[k] = 0.f;
         }
-        float* const part = partials + ((b * spans + sp) * dim + c) * (width + 1);
-        #pragma unroll
-        for (int j = 0; j < N; ++j)
-            if (lane + 32 * j < width) part[lane + 32 * j] = dw[j];
-        if (lane == 0) part[width] = db;
+        cur = nxt;
         __syncwarp();  // the buffer's readers are done before it is staged again
     }
 }

@@ -83,6 +83,10 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) 
                      "l"(src), "n"(BYTES), "r"(bytes) : "memory");
     }
 }
+// cp_async<16> of a whole vector to a shared-memory address as smem_address gives it.
+__device__ __forceinline__ void cp_async_shared16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>

@@ -172,19 +172,33 @@ def test_empty(shape):
 
 # ---- the tensor-core backward (bwd_mma: bfloat16 x and weights, time-contiguous x) ----------
 
-MMA_WIDTHS = (5, 8, 9, 16, 17, 18, 31, 33, 64, 65, 129, 200, 256)
+MMA_WIDTHS = (2, 4, 5, 8, 9, 16, 17, 18, 31, 33, 64, 65, 129, 200, 256)
+
+
+@pytest.fixture
+def tensor_cores(monkeypatch):
+    """bwd_mma for every width it takes, whatever the dispatch threshold; the test must have
+    launched it."""
+    from cupyconv import _backward_plan, _fast
+
+    monkeypatch.setattr(_backward_plan, "MMA_MIN_WIDTH", 2)
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    yield
+    launched = [s.name for plan in _backward_plan._plans.values() for s in plan.launches]
+    assert any(name.startswith("bwd_mma") for name in launched), launched
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)
 @pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
-def test_tensor_core_widths(width, layout):
+def test_tensor_core_widths(tensor_cores, width, layout):
     """Spans of 1024 positions and a partial one; rows staged by cp.async or element by element."""
     run_bwd(2, 37, 1500, width, "bfloat16", layout=layout, seed=width)
 
 
 @pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
-@pytest.mark.parametrize("width", (5, 16, 64, 256))
-def test_tensor_core_features(features, width):
+@pytest.mark.parametrize("width", (2, 5, 16, 64, 256))
+def test_tensor_core_features(tensor_cores, features, width):
     f = set(features.split("-"))
     run_bwd(
         3, 20, 700, width, "bfloat16", bias="nobias" not in f, silu="nosilu" not in f,
@@ -195,14 +209,14 @@ def test_tensor_core_features(features, width):
 
 @pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 700, 1024, 1025, 2100))
 @pytest.mark.parametrize("width", (8, 40))
-def test_tensor_core_row_lengths(seqlen, width):
+def test_tensor_core_row_lengths(tensor_cores, seqlen, width):
     """Rows shorter than the width, spans cut by the row's end, L < K - 1 with states."""
     run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
 
 
 @pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
 @pytest.mark.parametrize("width", (8, 33, 256), ids=lambda k: f"width{k}")
-def test_tensor_core_non_finite_values_reach_only_their_taps(width, silu):
+def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, width, silu):
     """inf and NaN in x and dout: the tensor cores' zero band entries must not carry them to a
     dx or a dweight whose own terms do not include them."""
     rng = np.random.default_rng(width)
