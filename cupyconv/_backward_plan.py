@@ -42,7 +42,7 @@ CONSTANTS = {
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
     "BWD_MMA_WARPS": 2,  # bwd_mma: warps per block (independent)
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
-    "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass sums up per item, for more lags
+    "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
@@ -269,8 +269,8 @@ def _mma_layout(span: int, steps: int) -> dict:
     128 TB inputs) then dout (span + 128 TB; dz's high half in its place); buffer 1, x (D +
     span) then dout (span + D); dz's low half, span + 128 TB; the fragments of z and dx, 512
     bytes a k-step each; the padded taps, forward and reversed, 2 D + 32 floats each; for more
-    than BWD_MMA_LAGS lags the C_d of a pass, BWD_MMA_PASS_LAGS x 256 floats (fewer are held
-    in registers and summed up through a buffer)."""
+    than BWD_MMA_LAGS lags the C_d of every lag, 256 floats each, summed over a channel's items
+    (fewer are held in registers, and summed up through a buffer)."""
     d = 16 * (steps - 1)
     dz_len = span + 128 * -(-d // 128)
     dout_at = 2 * (d + dz_len)
@@ -282,7 +282,7 @@ def _mma_layout(span: int, steps: int) -> dict:
     cd_at = pad_at + 2 * (2 * d + 32) * 4
     passes = steps > CONSTANTS["BWD_MMA_LAGS"]
     return dict(
-        warp_bytes=cd_at + (CONSTANTS["BWD_MMA_PASS_LAGS"] * 256 * 4 if passes else 0),
+        warp_bytes=cd_at + (steps * 256 * 4 if passes else 0),
         dout_at=dout_at, x1_at=x1_at, dout1_at=dout1_at, dzl_at=dzl_at, frag_at=frag_at,
         pad_at=pad_at, cd_at=cd_at,
     )  # fmt: skip

@@ -141,6 +141,25 @@ __device__ __forceinline__ void dump_lags(float* cd, const float (&cacc)[LP][2][
     }
 }
 
+// cd[256 l + ..] += the C_d accumulators of lag l < min(LP, n) (dump_lags's layout; each lane
+// adds to its own entries).
+template <int LP>
+__device__ __forceinline__ void add_lags(float* cd, const float (&pass)[LP][2][4], int n) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    #pragma unroll
+    for (int l = 0; l < LP; ++l) {
+        if (l < n) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float2* const at = reinterpret_cast<float2*>(cd + 256 * l + 16 * g + 8 * h + 2 * tg);
+                const float2 a = at[0], b = at[64];
+                at[0] = make_float2(a.x + pass[l][h][0], a.y + pass[l][h][1]);
+                at[64] = make_float2(b.x + pass[l][h][2], b.y + pass[l][h][3]);
+            }
+        }
+    }
+}
+
 // cacc[l] += C_{d0 + l} over positions 0 .. S - 1 (16 blocks of 16 an MMA step; x at xs, from D
 // before position 0; dz's halves at dzh, dzl).
 template <int KS, int LP>
@@ -233,8 +252,11 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
     uint4* const xf = zf + 32 * KS;                                 // 32 KS: dx's
     float* const pad = reinterpret_cast<float*>(mine + p.pad_at);  // SIZE: the taps, z's band
     float* const rev = pad + MmaTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
-    float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // LP x 256: a pass's C_d
+    float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // KS x 256: the C_d (not HOLD)
     for (int i = lane; i < 2 * MmaTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
+    if constexpr (!HOLD) {
+        for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
+    }
 
     // Items: spans sp of rows (c, b), channel-major, the spans of a row last to first, so that
     // an item's dz past its span (the next span's first D) is the one before's first D.
@@ -446,10 +468,7 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
                 for (int d0 = 0; d0 < KS; d0 += LP) {
                     float pass[LP][2][4] = {};
                     lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
-                    dump_lags<LP>(cd, pass);
-                    __syncwarp();
-                    add_diagonals<KS, LP>(cd, d0, width, dw);
-                    __syncwarp();
+                    add_lags<LP>(cd + 256 * d0, pass, KS - d0);
                 }
             }
         }
@@ -467,7 +486,13 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
         const bool flush = i + 1 == end || nxt.c != cur.c;
         float* const part = partials + ((cur.b * spans + cur.sp) * dim + cur.c) * (width + 1);
         if (flush) {
-            if constexpr (HOLD) {  // a lag at a time through the item's buffer, done with now
+            if constexpr (!HOLD) {
+                __syncwarp();
+                #pragma unroll 1
+                for (int d = 0; d < KS; ++d) add_diagonals<KS, 1>(cd + 256 * d, d, width, dw);
+                __syncwarp();
+                for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
+            } else {  // a lag at a time through the item's buffer, done with now
                 float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
                 #pragma unroll
                 for (int l = 0; l < LP; ++l) {
