@@ -1,28 +1,32 @@
 // bwd_mma.cu: the backward for time-contiguous bfloat16 x and weights on tensor cores.
 //
 //   bwd_mma<T, KS>
-//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), no seq_idx. A persistent grid of BWD_MMA_WARPS
-//       independent warps a block; warp w of the grid takes a run of p.per items (spans of
-//       p.span positions of a row) in channel-major order (c, b, span), so a channel's
-//       fragments are built once per run, and stages the next item (x and dout, cp.async) into
-//       one of its two buffers while it computes the current one.
+//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), no seq_idx. A persistent grid of
+//       blocks of BWD_MMA_WARPS independent warps; warp w takes a run of p.per items (spans of
+//       p.span positions of a row, a multiple of 256) in channel-major order, the spans of a
+//       row last to first, and stages the next item (x and dout, cp.async) into one of its two
+//       buffers while it computes the current one. A channel's fragments are built once a run.
 //
-// An item, positions t0 .. t0 + S - 1 of row (b, c) (S = p.span, a multiple of 256), in the
-// warp's shared memory (offsets and lengths from the plan; NZ = p.z_blocks 128-position blocks
-// cover S + D):
-//  1. z at t0 .. t0 + 128 NZ - 1 as fwd_mma computes outputs: for 16 consecutive outputs, the
+// An item, positions t0 .. t0 + S - 1 of row (b, c), in the warp's shared memory (the plan's
+// _mma_layout):
+//  1. z at the span's positions as fwd_mma computes outputs: for 16 consecutive outputs, the
 //     banded Toeplitz matrix of the taps times the D + 16 inputs up to them, eight such blocks
 //     the eight columns of one m16n8k16 MMA per k-step (fwd_mma.cu has the fragment layout).
-//     dz = dout silu'(z) (dout without the activation), 0 past the row, is kept as a high and a
-//     low bfloat16 half (hi + lo = dz to 2^-17 relative).
+//     dz = dout silu'(z) (dout without the activation; 0 past the row, where dout is staged as
+//     0) is kept as a high half, written over dout, and a low bfloat16 half (hi + lo = dz to
+//     2^-17 relative). dx needs dz at the D positions after the span too: the next span's
+//     first D, computed by the item before (the spans go last to first) and carried over; the
+//     row's last span has zeros there, and a run's first item computes them itself.
 //  2. dx[s] = sum_j w[K-1-j] dz[s+j] for s < S: the same Toeplitz product over the dz window,
-//     the taps reversed and the band starting at the output, on hi and lo.
+//     the taps reversed and the band starting at the output, on hi and on lo.
 //  3. dweight: for block lags d < KS, C_d[a][e] = sum_i x[t0 + 16 (i - d) + a] dz[t0 + 16 i + e]
-//     over the item's 16-position blocks i: an MMA of the staged rows read by ldmatrix.trans,
-//     summed over 16 blocks at a time. Every product in C_d[a][e] has the lag 16 d + e - a, the
-//     tap k = K - 1 - 16 d - e + a, so dweight[k] is a sum along a diagonal of the C_d, added
-//     in a fixed order; dbias is the sum of dz. Both are written as part (b, span) of the
-//     partials (bwd_reduce adds them).
+//     over the span's 16-position blocks i: MMAs of the staged rows read by ldmatrix.trans,
+//     16 blocks at a time, summed over a channel's items (in registers up to BWD_MMA_LAGS
+//     lags, else in shared memory, BWD_MMA_PASS_LAGS lags computed at a time). Every product
+//     in C_d[a][e] has the lag 16 d + e - a, the tap k = K - 1 - 16 d - e + a, so at the
+//     channel's last item in the run dweight[k] is summed along the diagonals of the C_d, in a
+//     fixed order; dbias is the sum of dz. Both are written as the part (b, span) of that item
+//     (zeros for the channel's other items; bwd_reduce adds the parts).
 //
 // Non-finite values: an MMA multiplies every input of its window by every row of A, zeros
 // included, so a non-finite input would reach outputs outside its taps (0 inf = NaN), and a

@@ -214,6 +214,30 @@ def test_tensor_core_row_lengths(tensor_cores, seqlen, width):
     run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
 
 
+@pytest.mark.parametrize("width", (16, 64, 200))
+def test_tensor_core_repeatable(tensor_cores, width):
+    """Every output bitwise the same over repeated runs: runs of spans and channels of many
+    warps (the dweight products summed in a fixed order)."""
+    import torch
+
+    rng = np.random.default_rng(width)
+    shape = (3, 300, 2100)
+    x = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16")
+    g = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16")
+    w = to_gpu(rounded(rng, (300, width), "bfloat16", scale=width**-0.5), "bfloat16")
+    b = to_gpu(rounded(rng, (300,), "bfloat16"), "bfloat16")
+    init = to_gpu(rounded(rng, (3, 300, width - 1), "bfloat16"), "bfloat16")
+
+    def run():
+        return cupyconv.causal_conv1d_bwd(
+            x, w, b, g, initial_states=init, return_dinitial_states=True, activation="silu"
+        )
+
+    first = run()
+    for _ in range(3):
+        assert all(torch.equal(p, q) for p, q in zip(first, run()))
+
+
 @pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
 @pytest.mark.parametrize("width", (8, 33, 256), ids=lambda k: f"width{k}")
 def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, width, silu):

@@ -41,10 +41,10 @@ PER_PROGRAM = 8  # instances per NVRTC program in the sweep
 
 def representative(backward_dtypes=tuple(C_TYPES)) -> dict:
     """Each forward kernel family for each dtype (widths 4 and 64), and each backward family
-    for ``backward_dtypes`` (width 4), with and without seq_idx."""
+    for ``backward_dtypes`` (widths 4 and 64), with and without seq_idx."""
     return {
         **all_forward_instances(dtypes=tuple(C_TYPES), widths=(4, 64)),
-        **all_backward_instances(dtypes=backward_dtypes, widths=(4,)),
+        **all_backward_instances(dtypes=backward_dtypes, widths=(4, 64)),
     }
 
 
@@ -85,8 +85,9 @@ def test_every_forward_family_compiles(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_every_backward_family_compiles(dtype):
-    """bwd_time (short and long rows), bwd_channel, and the general kernels, width 4."""
-    instances = all_backward_instances(dtypes=(dtype,), widths=(4,))
+    """bwd_time (short and long rows), bwd_channel and the general kernels at width 4, and
+    bwd_mma (bfloat16) at width 64."""
+    instances = all_backward_instances(dtypes=(dtype,), widths=(4, 64))
     for source, names in instances.items():
         names = [n for n in names if "true" not in n]  # seq_idx instances: in the sweep
         assert len(compile_offline(source, names, "sm_90")) > 1000

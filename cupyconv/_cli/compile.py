@@ -58,15 +58,15 @@ def compile_all(
 
 def compile_check_instances() -> tuple[dict, dict]:
     """The compile check's instances: (every forward family for bfloat16 at widths 4 and 64,
-    for sm_80 and sm_90), (every backward family without seq_idx at width 4, the update at
-    width 4 and the varlen states, bfloat16, for sm_90)."""
+    for sm_80 and sm_90), (every backward family without seq_idx at widths 4 and 64, the
+    update at width 4 and the varlen states, bfloat16, for sm_90)."""
     from cupyconv._backward_plan import all_backward_instances
     from cupyconv._forward_plan import all_forward_instances
     from cupyconv._update_plan import all_update_instances
     from cupyconv._varlen_plan import all_varlen_instances
 
     forward = all_forward_instances(dtypes=("bfloat16",), widths=(4, 64))
-    others = all_backward_instances(dtypes=("bfloat16",), widths=(4,))
+    others = all_backward_instances(dtypes=("bfloat16",), widths=(4, 64))
     others = {s: [n for n in names if "true" not in n] for s, names in others.items()}
     others |= all_update_instances(("bfloat16",), (4,)) | all_varlen_instances(("bfloat16",))
     return forward, others
