@@ -103,7 +103,8 @@ __device__ __forceinline__ float dz_of(const bf16* dzh, const bf16* dzl, int p) 
 }
 
 // How many block lags bwd_mma's C_d accumulators hold: all KS of them up to BWD_MMA_LAGS (kept in
-// registers over the items of a channel), else BWD_MMA_PASS_LAGS a pass (summed up per item).
+// registers over the items of a channel), else BWD_MMA_PASS_LAGS a pass (then added to the sums
+// in shared memory).
 __host__ __device__ constexpr int mma_lags(int KS) { return KS <= BWD_MMA_LAGS ? KS : BWD_MMA_PASS_LAGS; }
 
 // Adds the diagonals of the C_d (lags d0 .. d0 + LP - 1, at cd[256 l + 16 a + e]) to this lane's
