@@ -44,7 +44,7 @@ CONSTANTS = {
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
     "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
 }
-TIME_MAX_WIDTH = 16  # bwd_time up to this width; wider time-contiguous x: the general path
+TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general path)
 CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
 # bwd_mma (bfloat16 x and weights, time-contiguous x, no seq_idx) from this width on, for spans
 # of up to MMA_SPAN positions (a multiple of 256).
