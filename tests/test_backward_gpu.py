@@ -244,7 +244,7 @@ def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, width
     """inf and NaN in x and dout: the tensor cores' zero band entries must not carry them to a
     dx or a dweight whose own terms do not include them."""
     rng = np.random.default_rng(width)
-    shape = (2, 6, 2500)
+    shape = (2, 6, 2500)  # batch x seqlen = 5000 terms a reduction
     x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
     x64[0, 1, 700] = np.inf
     x64[1, 2, 1500:1503] = np.nan
@@ -258,14 +258,14 @@ def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, width
     w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
     got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
     want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
-    reduction = shape[0] * shape[2]
-    tolerances = (tolerance("bfloat16"), (GRAD_TOLERANCE[0], GRAD_TOLERANCE[1] * reduction**0.5))
-    for name, a, e, (rtol, atol) in zip(("dx", "dweight", "dbias"), got, want,
-                                        (tolerances[0], tolerances[1], tolerances[1])):  # fmt: skip
+    # dweight and dbias as run_bwd checks them (bfloat16 weights: never tighter than its rtol)
+    grads = (max(GRAD_TOLERANCE[0], tolerance("bfloat16")[0]), GRAD_TOLERANCE[1] * 5000**0.5)
+    tolerances = {"dx": tolerance("bfloat16"), "dweight": grads, "dbias": grads}
+    for (name, (rtol, atol)), a, e in zip(tolerances.items(), got, want, strict=True):
         a = a.double().cpu().numpy()
         finite = np.isfinite(e)
         assert (~finite).any() and finite.any(), name
-        np.testing.assert_allclose(a[finite], e[finite], rtol=max(rtol, 1e-2), atol=atol)
+        np.testing.assert_allclose(a[finite], e[finite], rtol=rtol, atol=atol)
         assert not np.isfinite(a[~finite]).any(), name
 
 
