@@ -155,14 +155,18 @@ def _mma_name(width: int) -> str:
     return f"bwd_mma<{C_TYPES['bfloat16']}, {_mma_steps(width)}>"
 
 
+def _time_rows(x: Array) -> bool:
+    """Whether x's rows are time-contiguous (or one step long, with channels not contiguous)."""
+    _, x_c, x_l = x.strides
+    return x_l == 1 or (x.shape[2] == 1 and x_c != 1)
+
+
 def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
     """Whether bwd_mma serves the call: bfloat16 x and weights, time-contiguous x (or rows of
     one step), no seq_idx, width MMA_MIN_WIDTH or more."""
-    _, x_c, x_l = x.strides
-    time_rows = x_l == 1 or (x.shape[2] == 1 and x_c != 1)
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
-        and width >= MMA_MIN_WIDTH and time_rows
+        and width >= MMA_MIN_WIDTH and _time_rows(x)
     )  # fmt: skip
 
 
@@ -219,7 +223,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
         return _plan_mma(x, dout, dx, width, states, device)
-    if (x_l == 1 or (seqlen == 1 and x_c != 1)) and width <= TIME_MAX_WIDTH:
+    if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
     if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, lane_bytes):

@@ -43,13 +43,6 @@
 
 using bf16 = __nv_bfloat16;
 
-// Padded taps: pad[PAD + k] = w[k] (z's band) and rev[PAD + j] = w[K-1-j] (dx's), SIZE floats
-// each, zeros around the taps.
-template <int KS>
-struct MmaTaps {
-    static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32, N = (D + 32) / 32;
-};
-
 template <int N> struct Count { static constexpr int value = N; };
 
 __device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }
@@ -61,18 +54,18 @@ __device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
 }
 __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
-// The A fragments of a banded Toeplitz matrix, element (o, e) of k-step s = pad[PAD + 16 s + e -
-// o - shift] (fwd_mma's row and k order), lane l's four words of k-step s at frag[32 s + l].
+// The A fragments of a banded Toeplitz matrix whose band starts `shift` inputs into the window
+// (fragment_offset), lane l's four words of k-step s at frag[32 s + l].
 template <int KS>
 __device__ __forceinline__ void build_fragments(const float* pad, int shift, uint4* frag) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    const float* wl = pad + MmaTaps<KS>::PAD + 4 * tg - 2 * g - shift;
+    const float* wl = pad + ToeplitzTaps<KS>::PAD + 4 * tg - 2 * g - shift;
     #pragma unroll
     for (int s = 0; s < KS; ++s) {
         unsigned a[4];
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const float* q = wl + 16 * s + 2 * (r >> 1) - (r & 1);
+            const float* q = wl + fragment_offset(s, r);
             a[r] = pack2<bf16>(q[0], q[1]);
         }
         frag[32 * s + lane] = make_uint4(a[0], a[1], a[2], a[3]);
@@ -107,60 +100,47 @@ __device__ __forceinline__ float dz_of(const bf16* dzh, const bf16* dzl, int p) 
 // in shared memory).
 __host__ __device__ constexpr int mma_lags(int KS) { return KS <= BWD_MMA_LAGS ? KS : BWD_MMA_PASS_LAGS; }
 
-// Adds the diagonals of the C_d (lags d0 .. d0 + LP - 1, at cd[256 l + 16 a + e]) to this lane's
-// dweight sums dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
-template <int KS, int LP>
-__device__ __forceinline__ void add_diagonals(const float* cd, int d0, int width, float (&dw)[MmaTaps<KS>::N]) {
+// This lane's entries of one lag's C_d (256 floats, cd[16 a + e]): accumulator half h holds
+// c0 (a = g, e = 8 h + 2 tg), c1 (g, e + 1), c2 (g + 8, e), c3 (g + 8, e + 1), as two float2
+// at lane_entry(cd, h) and 128 floats further.
+__device__ __forceinline__ float2* lane_entry(float* cd, int h) {
+    const int lane = threadIdx.x & 31;
+    return reinterpret_cast<float2*>(cd + 16 * (lane >> 2) + 8 * h + 2 * (lane & 3));
+}
+
+// Writes a lag's C_d accumulators to cd.
+__device__ __forceinline__ void dump_lag(float* cd, const float (&acc)[2][4]) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float2* const at = lane_entry(cd, h);
+        at[0] = make_float2(acc[h][0], acc[h][1]);
+        at[64] = make_float2(acc[h][2], acc[h][3]);
+    }
+}
+
+// Adds a lag's C_d accumulators to cd (each lane to its own entries).
+__device__ __forceinline__ void add_lag(float* cd, const float (&acc)[2][4]) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float2* const at = lane_entry(cd, h);
+        const float2 a = at[0], b = at[64];
+        at[0] = make_float2(a.x + acc[h][0], a.y + acc[h][1]);
+        at[64] = make_float2(b.x + acc[h][2], b.y + acc[h][3]);
+    }
+}
+
+// Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
+// dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
+template <int KS>
+__device__ __forceinline__ void add_diagonals(const float* cd, int d, int width, float (&dw)[ToeplitzTaps<KS>::N]) {
     const int lane = threadIdx.x & 31;
     #pragma unroll
-    for (int j = 0; j < MmaTaps<KS>::N; ++j) {
-        const int k = lane + 32 * j, lag = width - 1 - k;  // lag = 16 d + e - a
-        if (k < width) {
-            #pragma unroll
-            for (int l = 0; l < LP; ++l) {
-                const int e = lag - 16 * (d0 + l);  // e - a
-                if (d0 + l < KS && e > -16 && e < 16) {
-                    const float* diag = cd + 256 * l + e;
-                    float sum = 0.f;
-                    for (int a = max(0, -e); a < min(16, 16 - e); ++a) sum += diag[17 * a];
-                    dw[j] += sum;
-                }
-            }
-        }
-    }
-}
-
-// Writes C_d accumulators (c0 (a = g, e = 8 h + 2 tg), c1 (g, e + 1), c2 (g + 8, e), c3 (g + 8,
-// e + 1) of lag l, half h) to cd.
-template <int LP>
-__device__ __forceinline__ void dump_lags(float* cd, const float (&cacc)[LP][2][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    #pragma unroll
-    for (int l = 0; l < LP; ++l) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float* const at = cd + 256 * l + 16 * g + 8 * h + 2 * tg;
-            *reinterpret_cast<float2*>(at) = make_float2(cacc[l][h][0], cacc[l][h][1]);
-            *reinterpret_cast<float2*>(at + 128) = make_float2(cacc[l][h][2], cacc[l][h][3]);
-        }
-    }
-}
-
-// cd[256 l + ..] += the C_d accumulators of lag l < min(LP, n) (dump_lags's layout; each lane
-// adds to its own entries).
-template <int LP>
-__device__ __forceinline__ void add_lags(float* cd, const float (&pass)[LP][2][4], int n) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    #pragma unroll
-    for (int l = 0; l < LP; ++l) {
-        if (l < n) {
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float2* const at = reinterpret_cast<float2*>(cd + 256 * l + 16 * g + 8 * h + 2 * tg);
-                const float2 a = at[0], b = at[64];
-                at[0] = make_float2(a.x + pass[l][h][0], a.y + pass[l][h][1]);
-                at[64] = make_float2(b.x + pass[l][h][2], b.y + pass[l][h][3]);
-            }
+    for (int j = 0; j < ToeplitzTaps<KS>::N; ++j) {
+        const int k = lane + 32 * j, e = width - 1 - k - 16 * d;  // e - a
+        if (k < width && e > -16 && e < 16) {
+            float sum = 0.f;
+            for (int a = max(0, -e); a < min(16, 16 - e); ++a) sum += cd[e + 17 * a];
+            dw[j] += sum;
         }
     }
 }
@@ -170,7 +150,7 @@ __device__ __forceinline__ void add_lags(float* cd, const float (&pass)[LP][2][4
 template <int KS, int LP>
 __device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, int S, const bf16* xs, const bf16* dzh,
                                              const bf16* dzl) {
-    constexpr int D = MmaTaps<KS>::D;
+    constexpr int D = ToeplitzTaps<KS>::D;
     const int lane = threadIdx.x & 31, mq = lane >> 3, mr = lane & 7;  // ldmatrix: matrix mq, row mr
     const int row_at = 16 * (mr + 8 * (mq >> 1)) + 8 * (mq & 1);
     #pragma unroll 1
@@ -202,7 +182,7 @@ template <int KS, typename P>
 __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
                                            const float* rev, float bias_c, int n_fix, int n_out, bf16* dxr,
                                            const P& p, float* dw, float& db) {
-    constexpr int D = MmaTaps<KS>::D, PAD = MmaTaps<KS>::PAD, N = MmaTaps<KS>::N;
+    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     const int lane = threadIdx.x & 31, width = (int)p.width;
     for (int q = lane; q < n_fix; q += 32) {
         if (isfinite(__bfloat162float(dzh[q])) && isfinite(__bfloat162float(dzl[q]))) continue;
@@ -239,7 +219,7 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
-    constexpr int D = MmaTaps<KS>::D, PAD = MmaTaps<KS>::PAD, N = MmaTaps<KS>::N;
+    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     constexpr int LP = mma_lags(KS), HOLD = KS <= BWD_MMA_LAGS;  // HOLD: C_d kept over items
     constexpr int TB = (D + 127) / 128;  // blocks of dz past the span a run's first item computes
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
@@ -256,9 +236,9 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
     uint4* const zf = reinterpret_cast<uint4*>(mine + p.frag_at);  // 32 KS: z's fragments
     uint4* const xf = zf + 32 * KS;                                 // 32 KS: dx's
     float* const pad = reinterpret_cast<float*>(mine + p.pad_at);  // SIZE: the taps, z's band
-    float* const rev = pad + MmaTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
+    float* const rev = pad + ToeplitzTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
     float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // KS x 256: the C_d (not HOLD)
-    for (int i = lane; i < 2 * MmaTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
+    for (int i = lane; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
     if constexpr (!HOLD) {
         for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
     }
@@ -473,7 +453,9 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
                 for (int d0 = 0; d0 < KS; d0 += LP) {
                     float pass[LP][2][4] = {};
                     lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
-                    add_lags<LP>(cd + 256 * d0, pass, KS - d0);
+                    #pragma unroll
+                    for (int l = 0; l < LP; ++l)
+                        if (d0 + l < KS) add_lag(cd + 256 * (d0 + l), pass[l]);
                 }
             }
         }
@@ -494,17 +476,16 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
             if constexpr (!HOLD) {
                 __syncwarp();
                 #pragma unroll 1
-                for (int d = 0; d < KS; ++d) add_diagonals<KS, 1>(cd + 256 * d, d, width, dw);
+                for (int d = 0; d < KS; ++d) add_diagonals<KS>(cd + 256 * d, d, width, dw);
                 __syncwarp();
                 for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
             } else {  // a lag at a time through the item's buffer, done with now
                 float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
                 #pragma unroll
                 for (int l = 0; l < LP; ++l) {
-                    const float(&one)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&cacc[l]);
-                    dump_lags<1>(lag_at, one);
+                    dump_lag(lag_at, cacc[l]);
                     __syncwarp();
-                    add_diagonals<KS, 1>(lag_at, l, width, dw);
+                    add_diagonals<KS>(lag_at, l, width, dw);
                     __syncwarp();
                     #pragma unroll
                     for (int h = 0; h < 2; ++h)

@@ -54,7 +54,8 @@ struct RowWeights {
 // warp computes the current row.
 template <int KS>
 struct Taps {
-    static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32, N = (D + 32) / 32;
+    using Sizes = ToeplitzTaps<KS>;
+    static constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE, N = Sizes::N;
     unsigned next[N], bias;
 
     __device__ __forceinline__ static void zero(float* wpad) {
@@ -83,14 +84,12 @@ struct Taps {
             if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
         rw.bias = bits_as<float>(bias, bias_code);
         __syncwarp();
-        // Element (row i, k) of k-step s: output o = 2 (i mod 8) + i / 8, input e of the
-        // segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h).
-        const float* wl = wpad + PAD + 4 * tg - 2 * g - (D - width + 1);  // + 16 s + e' - o'
+        const float* wl = wpad + PAD + 4 * tg - 2 * g - (D - width + 1);  // the band ends at the output
         #pragma unroll
         for (int s = 0; s < KS; ++s) {
             #pragma unroll
-            for (int r = 0; r < 4; ++r) {  // a0: (g, k lo), a1: (g+8, k lo), a2: (g, k hi), a3: (g+8, k hi)
-                const float* q = wl + 16 * s + 2 * (r >> 1) - (r & 1);
+            for (int r = 0; r < 4; ++r) {
+                const float* q = wl + fragment_offset(s, r);
                 const float v0 = q[0], v1 = q[1];
                 rw.hi[s][r] = pack2<T>(v0, v1);
                 if constexpr (SPLIT) rw.lo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));

@@ -34,6 +34,21 @@ __device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort
 __device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
 
+// The banded Toeplitz products (fwd_mma's forward, bwd_mma's z and dx): D = 16 (KS - 1) window
+// inputs before a 16-output block's first, a channel's taps zero-padded in SIZE floats with the
+// taps from PAD on, and N taps a lane when a warp reads them (k = lane + 32 j).
+template <int KS>
+struct ToeplitzTaps {
+    static constexpr int D = 16 * (KS - 1), PAD = D + 15, SIZE = 2 * D + 32, N = (D + 32) / 32;
+};
+
+// The offset, from wl = the padded taps + PAD + 4 tg - 2 g - shift (a band starting `shift`
+// inputs into the window), of the two weights of word r of lane (g, tg)'s A fragment for k-step
+// s. Element (row i, k) is the weight of output o = 2 (i mod 8) + i / 8 and input e of the
+// segment (k = 2 tg + h: e = 4 tg + h; k = 2 tg + 8 + h: e = 4 tg + 2 + h): pad[PAD + 16 s + e -
+// o - shift]. Words: a0 (g, k lo), a1 (g + 8, k lo), a2 (g, k hi), a3 (g + 8, k hi).
+__host__ __device__ constexpr int fragment_offset(int s, int r) { return 16 * s + 2 * (r >> 1) - (r & 1); }
+
 // The four 8x8 matrices of 16-bit values whose rows lanes 8 q .. 8 q + 7 address (16 bytes a
 // row, 16-byte aligned), transposed: r[q] holds, for lane (g, tg), elements (2 tg, g) and
 // (2 tg + 1, g) of matrix q.
