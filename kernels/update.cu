@@ -354,8 +354,8 @@ __device__ __forceinline__ void update_lean(const T* __restrict__ x, const T* __
     #pragma unroll
     for (int k = 0; k < K; ++k) w[k] = to_acc(weight[c * K + k]);
     // A state row of K - 1 entries (every sliding row here; circular rows of that length) is
-    // read and written whole, at fixed offsets: v is the row as stored, history entry j of a
-    // circular row at (head + j) mod (K - 1). Longer circular rows: v is the history.
+    // read whole, at fixed offsets: v is the row as stored, history entry j of a circular row
+    // at (head + j) mod (K - 1). Longer circular rows: v is the history.
     const bool whole = !lens || state_len == K - 1;
     T v[R][K - 1];
     int row[R];  // where channel c's state row starts
@@ -404,10 +404,7 @@ __device__ __forceinline__ void update_lean(const T* __restrict__ x, const T* __
             #pragma unroll
             for (int j = 0; j + 1 < K - 1; ++j) state[row[i] + j] = v[i][j + 1];
             state[row[i] + K - 2] = xt[i];
-        } else if (whole) {  // the token over the oldest entry
-            #pragma unroll
-            for (int j = 0; j < K - 1; ++j) state[row[i] + j] = j == head[i] ? xt[i] : v[i][j];
-        } else {
+        } else {  // circular: the token over the oldest entry, the rest of the row unchanged
             state[row[i] + head[i]] = xt[i];
         }
     }
