@@ -4,10 +4,11 @@ reuses what that call worked out.
 The first GPU call with a given *signature* goes the whole way: describe and check every
 argument, plan, allocate, launch. The signature is, for every array argument, its framework,
 shape, strides, dtype, device and the low bits of its address (what the checks and the plan
-read), with the call's other arguments. The call then leaves a :class:`FastCall` under its
-signature: the launches ready to run again (``_launch.Replay``: kernel handles, launch shapes,
-parameter buffers), and the shapes, strides and dtypes of the outputs it allocates. A later call
-with the same signature reads its arrays' addresses, allocates its outputs, and launches:
+read), with the call's other arguments; it is read in one pass with the arrays' addresses. The
+call then leaves a :class:`FastCall` under its signature: the launches ready to run again
+(``_launch.Replay``: kernel handles, launch shapes, parameter buffers), and the shapes, strides
+and dtypes of the outputs it allocates. A later call with the same signature allocates its
+outputs and launches on the addresses:
 
 - every check of the full path depends on the signature alone, except that a buffer written in
   place must not share memory with an input: for those pairs the fast call compares the byte
@@ -31,23 +32,30 @@ _calls: dict[tuple, FastCall] = {}
 _torch = None  # the torch module, set when a torch FastCall is made
 
 
-def lookup(key: tuple | None) -> FastCall | None:
-    return None if key is None else _calls.get(key)
+def lookup(sig: tuple | None) -> FastCall | None:
+    """The FastCall of a call with signature ``sig`` (``signature``), if one was left."""
+    return None if sig is None else _calls.get(sig[0])
 
 
-def store(key: tuple | None, call: FastCall) -> None:
-    if key is not None:
-        remember(_calls, key, call)
+def store(sig: tuple | None, call: FastCall) -> None:
+    if sig is not None:
+        remember(_calls, sig[0], call)
 
 
 class Torch:
     """torch tensors on the fast path."""
 
     @staticmethod
-    def signature(t):
-        if t is None:
-            return None
-        return (t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.data_ptr() & 15)
+    def describe(arrays, key: list, ptrs: list) -> None:
+        """Append the layout of each of ``arrays`` to ``key`` and its address to ``ptrs``
+        (None and 0 for an absent one)."""
+        for t in arrays:
+            if t is None:
+                key.append(None)
+                ptrs.append(0)
+            else:
+                key += (t.shape, t.stride(), t.dtype, t.device, t.is_neg())
+                ptrs.append(t.data_ptr())
 
     @staticmethod
     def ptrs(ts) -> list[int]:
@@ -72,11 +80,15 @@ class Cupy:
     """CuPy arrays on the fast path."""
 
     @staticmethod
-    def signature(a):
-        if a is None:
-            return None
-        data = a.data
-        return (a.shape, a.strides, a.dtype, data.device_id, data.ptr & 15)
+    def describe(arrays, key: list, ptrs: list) -> None:
+        for a in arrays:
+            if a is None:
+                key.append(None)
+                ptrs.append(0)
+            else:
+                data = a.data
+                key += (a.shape, a.strides, a.dtype, data.device_id)
+                ptrs.append(data.ptr)
 
     @staticmethod
     def ptrs(arrays) -> list[int]:
@@ -105,35 +117,53 @@ class Cupy:
 
 def framework(x):
     """The fast-path framework of array ``x`` (Torch, Cupy), or None."""
-    module = type(x).__module__
-    if module.startswith("torch"):
-        return Torch
-    if module.startswith("cupy"):
-        return Cupy
-    return None
+    fw = _frameworks.get(type(x), _UNKNOWN)
+    if fw is _UNKNOWN:
+        module = type(x).__module__
+        fw = Torch if module.startswith("torch") else Cupy if module.startswith("cupy") else None
+        _frameworks[type(x)] = fw
+    return fw
 
 
-def signature(fw, arrays, *others, written=(), known=()) -> tuple | None:
-    """The signature of a call with ``arrays`` (None for absent ones) and the other arguments
-    ``others``, and what decides whether the buffers ``written`` (arrays the call writes in
-    place) may be written; None where an array's attributes cannot be read this way.
-    ``known``: the signatures of the leading arrays, taken before (``signatures``)."""
-    sig = fw.signature
+_frameworks: dict[type, type | None] = {}
+_UNKNOWN = object()
+
+
+def signature(fw, arrays, *others, written=(), known=None) -> tuple | None:
+    """(key, addresses) of a call with ``arrays`` (None for absent ones) and the other
+    arguments ``others``: the key holds their layouts, the low four bits of their addresses,
+    the other arguments and what decides whether the buffers ``written`` (arrays the call
+    writes in place) may be written; the addresses are the arrays' (0 for absent ones), for
+    the launch. None where an array's attributes cannot be read this way. ``known``: the
+    layouts and addresses of the leading arrays, taken before (``signatures``)."""
+    key, ptrs = [fw, *others], []
     try:
-        key = (fw, *others, *known, *[sig(a) for a in arrays[len(known) :]])
-        return key + tuple([fw.written(a) for a in written]) if written else key
+        if known is not None:
+            key += known[0]
+            ptrs += known[1]
+            arrays = arrays[len(known[1]) :]
+        fw.describe(arrays, key, ptrs)
+        low = 0
+        for p in ptrs:
+            low = low << 4 | p & 15
+        key.append(low)
+        for a in written:
+            key += fw.written(a)
     except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
+    return tuple(key), ptrs
 
 
 def signatures(fw, arrays) -> tuple | None:
-    """The signatures of ``arrays``, for ``signature(..., known=)`` of a later call on them
-    (a torch autograd backward on the forward's inputs); None where one cannot be read."""
-    sig = fw.signature
+    """The layouts and addresses of ``arrays``, for ``signature(..., known=)`` of a later
+    call on them (a torch autograd backward on the forward's inputs); None where one cannot
+    be read."""
+    key, ptrs = [], []
     try:
-        return tuple([sig(a) for a in arrays])
+        fw.describe(arrays, key, ptrs)
     except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
+    return key, ptrs
 
 
 def may_repeat(fw, *written) -> bool:
@@ -179,15 +209,15 @@ class FastCall:
         self.fw, self.device, self.replay = fw, device, replay
         self.outputs, self.guards, self.spans = outputs, guards, spans
 
-    def __call__(self, inputs: tuple, like) -> tuple | None:
-        """Launch on ``inputs`` (the operator's input arrays, in its kernels' pointer order);
-        returns the new outputs, or None where a guard failed (take the full path)."""
-        fw = self.fw
-        ptrs = fw.ptrs(inputs)
+    def __call__(self, ptrs: list[int], like) -> tuple | None:
+        """Launch on the inputs at ``ptrs`` (the operator's input arrays' addresses, in its
+        kernels' pointer order, from ``signature``; the outputs' are appended); ``like``: the
+        call's x. Returns the new outputs, or None where a guard failed (take the full
+        path)."""
         if self.guards and not self.clear(ptrs):
             return None
-        empty = fw.empty
-        made = tuple([None if s is None else empty(s, like) for s in self.outputs])
+        fw = self.fw
+        made = tuple([None if s is None else fw.empty(s, like) for s in self.outputs])
         ptrs += fw.ptrs(made)
         self.replay.run(ptrs, fw.stream(self.device))
         return made

@@ -177,6 +177,7 @@ class Replay:
     def __init__(self, launches, device: int, n_pointers: int, stream_ptr: int):
         """``launches``: (Launch, ParamBlock) pairs of the call, in order."""
         self.device, self.fmt, self.lock = device, f"<{n_pointers}q", threading.Lock()
+        _cupy or _load_cupy()  # what run() calls
         steps = []
         for plan, params in launches:
             block = ParamBlock(params.values, writable=True)
@@ -186,9 +187,8 @@ class Replay:
 
     def run(self, pointers, stream_ptr: int) -> None:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
-        cupy = _cupy or _load_cupy()
         if _get_device() != self.device:
-            with cupy.cuda.Device(self.device):
+            with _cupy.cuda.Device(self.device):
                 return self.run(pointers, stream_ptr)
         fmt, offset = self.fmt, 8 * ParamBlock.HEADER
         with self.lock:
@@ -197,7 +197,7 @@ class Replay:
                 try:
                     _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
                 except _DriverError:  # a thread without a current context: _launch retries
-                    _launch(cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
+                    _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
 
 
 _cupy = None  # the cupy module, imported with the first launch

@@ -58,7 +58,7 @@ def causal_conv1d_bwd(
             key = _fast.signature(fw, inputs, "bwd", activation, want)
             fast = _fast.lookup(key)
             if fast is not None:
-                return fast(inputs, x)[:4]
+                return fast(key[1], x)[:4]
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
@@ -68,12 +68,13 @@ def causal_conv1d_bwd(
 
 def lean_backward(known, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
     """The results of a call without output buffers on the lean path, for torch autograd's
-    backward: ``known`` holds the signatures of x .. initial_states taken by the forward (the
-    same tensors); None where it has no FastCall (then the public function runs)."""
+    backward: ``known`` holds the layouts and addresses of x .. initial_states taken by the
+    forward (the same tensors); None where it has no FastCall (then the public function
+    runs)."""
     inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
     key = _fast.signature(_fast.Torch, inputs, "bwd", act, want, known=known)
     fast = _fast.lookup(key)
-    return None if fast is None else fast(inputs, x)[:4]
+    return None if fast is None else fast(key[1], x)[:4]
 
 
 class _BackwardCall:
@@ -176,8 +177,10 @@ def _launches(call: _BackwardCall, dx, dweight, dbias, dinit):
     x = a.x
     plan = call.plan(dx)
     acc = _acc_dtype(x)
-    parts = (plan.n_parts, x.shape[1], a.width + 1)
-    partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)
+    partials = None  # a single part: dweight and dbias are written directly
+    if plan.n_parts != 1:
+        parts = (plan.n_parts, x.shape[1], a.width + 1)
+        partials = empty(x, parts, dense_strides(parts, (0, 1, 2)), acc)
     scratch = None
     if plan.scratch_strides is not None:
         scratch = empty(x, x.shape, plan.scratch_strides, acc)

@@ -90,11 +90,12 @@ _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (
 
 def lean_key(
     fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
-    activation, out, known=(),
+    activation, out, known=None,
 ):  # fmt: skip
     """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
     arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
-    the call cannot take it. ``known``: the signatures of x .. initial_states, taken before."""
+    the call cannot take it. ``known``: the layouts and addresses of x .. initial_states, taken
+    before."""
     if fw is None or (final_states_out is not None and out is None):
         return None, None
     final = return_final_states if type(return_final_states) is bool else None
@@ -112,7 +113,7 @@ def lean_call(key, inputs, return_final_states):
     fast = _fast.lookup(key)
     if fast is None:
         return None
-    made = fast(inputs, inputs[0])
+    made = fast(key[1], inputs[0])
     if made is None:
         return None
     results = inputs + made  # the kernels' pointer order: ..., out, final_states

@@ -70,7 +70,7 @@ def causal_conv1d_update(
         key = _fast.signature(fw, inputs, "update", activation, written=(conv_state,))
         fast = _fast.lookup(key)
         if fast is not None:
-            made = fast(inputs, x)
+            made = fast(key[1], x)
             if made is not None:
                 return made[0]
     call = _UpdateCall(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)

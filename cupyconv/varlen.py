@@ -36,7 +36,7 @@ def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
         key = _fast.signature(fw, (x, cu_seqlens), "varlen", state_len)
         fast = _fast.lookup(key)
         if fast is not None:
-            return fast((x, cu_seqlens), x)[0]
+            return fast(key[1], x)[0]
     xa = v.array(x, "x", 2)
     cu = v.array(cu_seqlens, "cu_seqlens", 1, kind="index")
     if isinstance(state_len, bool) or not isinstance(state_len, (int, np.integer)):
