@@ -10,8 +10,9 @@ A call runs one main kernel that writes dx and the partial sums of dweight and d
 is asked for or dfinal_states given (the states' gradient, and dx at the last width - 1
 positions again with the final states' gradient added), and ``bwd_reduce``, which adds the
 partials in a fixed order: no floating-point atomics, every result bitwise the same from run to
-run. Layouts without a fast kernel take the general path: ``bwd_dz`` writes dz into a scratch
-array, ``bwd_dx`` and ``bwd_weight`` read it.
+run. A call of a single part has no partials: the main kernel writes dweight and dbias itself,
+and no ``bwd_reduce`` runs. Layouts without a fast kernel take the general path: ``bwd_dz``
+writes dz into a scratch array, ``bwd_dx`` and ``bwd_weight`` read it.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ SOURCES = bind_sources(
 class BackwardPlan:
     """The launches of one backward call, in order, and what they need besides the call's
     arrays: ``n_parts`` blocks of dweight partials (``[n_parts, dim, width + 1]``, accumulation
-    dtype), and a scratch array of dz with ``scratch_strides`` (None: no scratch)."""
+    dtype; none for a single part), and a scratch array of dz with ``scratch_strides`` (None:
+    no scratch)."""
 
     launches: tuple[Launch, ...]
     n_parts: int
@@ -352,15 +354,18 @@ def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan
 
 
 def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, scratch):
-    """The main kernel's launches, then bwd_states (when ``states``) and bwd_reduce."""
+    """The main kernel's launches, then bwd_states (when ``states``) and bwd_reduce (when
+    there is more than one part)."""
     batch, dim, _ = x.shape
     t = C_TYPES[x.dtype_name]
     block = (GENERAL_THREADS, 1)
     if states and width > 1 and batch > 0:
         grid = _grid(batch * dim, STATES_THREADS)
         launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
-    warps = GENERAL_THREADS // 32
-    launches.append(REDUCE.launch(f"bwd_reduce<{t}>", _grid(dim * (width + 1), warps), block))
+    if n_parts != 1:
+        warps = GENERAL_THREADS // 32
+        grid = _grid(dim * (width + 1), warps)
+        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", grid, block))
     return BackwardPlan(tuple(launches), n_parts, scratch)
 
 

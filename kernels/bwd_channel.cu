@@ -243,10 +243,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 else steps_from(r0, Flag<false>(), Flag<false>());
             }
         }
-        A* const out = partials + ((b * groups_per_row + group) * dim + c0) * (K + 1);
         #pragma unroll
         for (int v = 0; v < V; ++v)
             #pragma unroll
-            for (int k = 0; k <= K; ++k) out[v * (K + 1) + k] = dw[k][v];
+            for (int k = 0; k <= K; ++k)
+                write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, k, dw[k][v]);
     }
 }

@@ -12,7 +12,9 @@
 //
 // dweight and dbias are reduced without floating-point atomics: each work item of a kernel
 // writes its own partial sums, partials[part][c][k] (k = K: the bias), and bwd_reduce adds
-// them in a fixed order, so every result is the same from run to run.
+// them in a fixed order, so every result is the same from run to run. A call of a single part
+// has no partials array (null): its sums are the results, written straight into dweight and
+// dbias (write_sum), and it launches no bwd_reduce.
 //
 // Every backward kernel takes the thirteen array pointers (BWD_ARRAYS; null for absent ones)
 // and one parameter struct by value, generated from cupyconv/_backward_plan.py (CONSTANTS,
@@ -35,6 +37,20 @@
 // channels a lane, 8 for float64.
 __host__ __device__ constexpr int bwd_warps_per_sm(int bytes, int channels) {
     return bytes == 8 ? 8 : channels > 2 ? 16 : WARPS_PER_SM;
+}
+
+// Sum k of channel c over work item `part` (k < width: of dweight[c, k]; k == width: of
+// dbias[c]): into the partials, or without them (a single part) into dweight / dbias, rounded
+// once to their dtypes as bwd_reduce rounds its totals.
+template <typename A, typename P>
+__device__ __forceinline__ void write_sum(A* partials, void* dweight, void* dbias, const P& p, int64 part,
+                                          int64 c, int64 k, A v) {
+    if (partials)
+        partials[(part * p.dim + c) * (p.width + 1) + k] = v;
+    else if (k < p.width)
+        store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, v);
+    else if (dbias)
+        store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, v);
 }
 
 // SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal

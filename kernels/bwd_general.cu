@@ -13,7 +13,8 @@
 //                   gradient of final_states added (dz of those positions recomputed; every
 //                   layout's plan launches it when either is given).
 //   bwd_reduce<T>   one warp per (c, k): partials[0..n_parts)[c][k] summed in a fixed order
-//                   into dweight[c, k] (k < K) or dbias[c] (k = K).
+//                   into dweight[c, k] (k < K) or dbias[c] (k = K); not launched for a
+//                   single part (write_sum).
 // p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
 // contiguous data: coalesced), else time fastest. Every kernel loops over its work grid-stride;
 // every offset is 64-bit.
@@ -109,14 +110,13 @@ __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const _
             win[j] = input(s);
             ids[j] = active && s < seqlen ? id_at(s) : -2;
         }
-        A* const out = partials + (part * dim + c) * (width + 1);
         for (int k = 0; k < width; ++k) {
             A sum = A(0);
             #pragma unroll
             for (int j = 0; j < RUN; ++j)
                 if (sid[j] >= 0 && ids[j] == sid[j]) sum += g[j] * win[j];
             const A total = block_sum(sum, shared);
-            if (threadIdx.x == 0) out[k] = total;
+            if (threadIdx.x == 0) write_sum(partials, dweight, dbias, p, part, c, k, total);
             const int64 s_next = t0 + RUN - (width - 1) + k;  // enters the window for tap k + 1
             #pragma unroll
             for (int j = 0; j + 1 < RUN; ++j) {
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const _
         #pragma unroll
         for (int j = 0; j < RUN; ++j) sum += g[j];
         const A total = block_sum(sum, shared);
-        if (threadIdx.x == 0) out[width] = total;
+        if (threadIdx.x == 0) write_sum(partials, dweight, dbias, p, part, c, (int64)width, total);
     }
 }
 

@@ -469,9 +469,9 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
             dzl[S + q] = dzl[q];
         }
         // The item's part of the partials: the channel's sums so far at its last item in the
-        // run, zeros before.
+        // run, zeros before (a call of a single part has one item a channel).
         const bool flush = i + 1 == end || nxt.c != cur.c;
-        float* const part = partials + ((cur.b * spans + cur.sp) * dim + cur.c) * (width + 1);
+        const int64 part = cur.b * spans + cur.sp;
         if (flush) {
             if constexpr (!HOLD) {
                 __syncwarp();
@@ -497,13 +497,13 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
             for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
             #pragma unroll
             for (int j = 0; j < N; ++j) {
-                if (lane + 32 * j < width) part[lane + 32 * j] = dw[j];
+                if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, cur.c, lane + 32 * j, dw[j]);
                 dw[j] = 0.f;
             }
-            if (lane == 0) part[width] = db;
+            if (lane == 0) write_sum(partials, dweight, dbias, p, part, cur.c, width, db);
             db = 0.f;
         } else {
-            for (int k = lane; k <= width; k += 32) part[k] = 0.f;
+            for (int k = lane; k <= width; k += 32) partials[(part * dim + cur.c) * (width + 1) + k] = 0.f;
         }
         cur = nxt;
         __syncwarp();  // the buffer's readers are done before it is staged again

@@ -262,9 +262,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             for (int o = 16; o > 0; o >>= 1) dw[k] += __shfl_xor_sync(0xffffffffu, dw[k], o);
         }
         if (lane == 0) {
-            A* const out = partials + ((b * chunks_per_row + chunk) * dim + c) * (K + 1);
             #pragma unroll
-            for (int k = 0; k <= K; ++k) out[k] = dw[k];
+            for (int k = 0; k <= K; ++k) write_sum(partials, dweight, dbias, p, b * chunks_per_row + chunk, c, k, dw[k]);
         }
     }
 }

@@ -93,7 +93,8 @@ def test_main_kernel_by_layout(launches, x, width, main):
     assert got[0] == main
     if main == "bwd_dz":
         assert got[:3] == ["bwd_dz", "bwd_dx", "bwd_weight"]
-    assert got[-1] == "bwd_reduce" and "bwd_states" not in got
+    parts = launches["launches"][0][2]["n_parts"]
+    assert (got[-1] == "bwd_reduce") == (parts != 1) and "bwd_states" not in got
 
 
 def test_partials_and_scratch(launches):
@@ -109,6 +110,23 @@ def test_partials_and_scratch(launches):
     call(cl(3, 64, 5000), 20)  # general path, channel-last: dz [batch, seqlen, dim]
     shapes = launches["allocations"]
     assert ((3, 64, 5000), (5000 * 64, 1, 64), "float32") in shapes
+
+
+@pytest.mark.parametrize(
+    "x,width,main",
+    [(cf(1, 64, 300), 4, "bwd_time"), (cl(1, 64, 16), 4, "bwd_channel"),
+     (cl(1, 64, 300), 20, "bwd_dz")],
+)  # fmt: skip
+def test_single_part_has_no_partials(launches, x, width, main):
+    """A call of one part writes dweight and dbias from its main kernel (write_sum): no
+    partials allocated (their pointer 0), no bwd_reduce."""
+    call(x, width)
+    got = names(launches)
+    assert got[0] == main and "bwd_reduce" not in got
+    params = launches["launches"][0][2]
+    assert params["n_parts"] == 1 and params["pointers"][11] == 0  # partials
+    shapes = [shape for shape, _, _ in launches["allocations"]]
+    assert (1, 64, width + 1) not in shapes
 
 
 @pytest.mark.parametrize("dinit,dfinal", [(True, False), (False, True), (True, True)])

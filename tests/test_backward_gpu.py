@@ -158,6 +158,14 @@ def test_buffers(layout):
     run_bwd(2, 48, 200, 4, "bfloat16", layout=layout, init=True, dfinal=True, buffers=True)
 
 
+@pytest.mark.parametrize("layout,width", [("cf", 4), ("cl", 4), ("misaligned", 4), ("cl", 20)])
+@pytest.mark.parametrize("bias", (True, False))
+def test_single_part(layout, width, bias):
+    """One row short enough for one part: the main kernel (bwd_time, bwd_channel, the general
+    path) writes dweight and dbias itself, here into NaN-filled buffers of other strides."""
+    run_bwd(1, 64, 16, width, "bfloat16", layout=layout, bias=bias, buffers=True, seed=width)
+
+
 @pytest.mark.parametrize("dinit", (False, True))
 def test_no_dinitial_without_request(dinit):
     run_bwd(1, 8, 50, 4, init=True, dinit=dinit)
@@ -212,6 +220,12 @@ def test_tensor_core_features(tensor_cores, features, width):
 def test_tensor_core_row_lengths(tensor_cores, seqlen, width):
     """Rows shorter than the width, spans cut by the row's end, L < K - 1 with states."""
     run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
+
+
+@pytest.mark.parametrize("width", (4, 64))
+def test_tensor_core_single_part(tensor_cores, width):
+    """One span of one row: dweight and dbias written by bwd_mma itself."""
+    run_bwd(1, 20, 700, width, "bfloat16", buffers=True, init=True, seed=width)
 
 
 @pytest.mark.parametrize("width", (16, 64, 200))
