@@ -387,20 +387,17 @@ def stream_ptr(stream) -> int:
 
 def _torch_stream(device: int) -> int:
     """torch's current stream on ``device``, as a raw handle."""
-    return (_current_raw_stream or _load_raw_stream())(device)
+    return current_stream_reader()(device)
 
 
-_current_raw_stream = None  # torch's own accessor of the current stream's handle
-
-
-def _load_raw_stream():
-    global _current_raw_stream
+def current_stream_reader():
+    """torch's own accessor of the current stream's raw handle on a device (what its kernels
+    use), or the public equivalent."""
     torch = sys.modules["torch"]
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels use
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:
 
         def raw(device: int) -> int:
             return torch.cuda.current_stream(device).cuda_stream
 
-    _current_raw_stream = raw
     return raw

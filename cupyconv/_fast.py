@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from ._arrays import _torch_stream, remember, strides_like
+from ._arrays import current_stream_reader, remember, strides_like
 from ._overlap import byte_span
 
 _calls: dict[tuple, FastCall] = {}
@@ -73,7 +73,10 @@ class Torch:
         shape, strides, dtype, device = spec
         return _torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
-    stream = staticmethod(_torch_stream)
+    @staticmethod
+    def stream_reader():
+        """A function of the device giving the current stream's raw handle."""
+        return current_stream_reader()
 
 
 class Cupy:
@@ -109,10 +112,11 @@ class Cupy:
         return cupy.ndarray(shape, dtype, memory, strides)
 
     @staticmethod
-    def stream(device: int) -> int:
+    def stream_reader():
         import cupy
 
-        return cupy.cuda.get_current_stream().ptr
+        get = cupy.cuda.get_current_stream
+        return lambda device: get().ptr
 
 
 def framework(x):
@@ -200,7 +204,7 @@ class FastCall:
     inputs'), ``guards`` (pairs of input positions (written, other) whose byte ranges must not
     meet), ``spans`` (each input's byte range relative to its address, None when absent)."""
 
-    __slots__ = ("fw", "device", "replay", "outputs", "guards", "spans")
+    __slots__ = ("fw", "device", "replay", "outputs", "guards", "spans", "stream")
 
     def __init__(self, fw, device, replay, outputs, guards=(), spans=()):
         global _torch
@@ -208,6 +212,7 @@ class FastCall:
             _torch = sys.modules["torch"]
         self.fw, self.device, self.replay = fw, device, replay
         self.outputs, self.guards, self.spans = outputs, guards, spans
+        self.stream = fw.stream_reader()
 
     def __call__(self, ptrs: list[int], like) -> tuple | None:
         """Launch on the inputs at ``ptrs`` (the operator's input arrays' addresses, in its
@@ -219,7 +224,7 @@ class FastCall:
         fw = self.fw
         made = tuple([None if s is None else fw.empty(s, like) for s in self.outputs])
         ptrs += fw.ptrs(made)
-        self.replay.run(ptrs, fw.stream(self.device))
+        self.replay.run(ptrs, self.stream(self.device))
         return made
 
     def clear(self, ptrs) -> bool:
