@@ -139,13 +139,15 @@ def signature(fw, arrays, *others, written=(), known=None) -> tuple | None:
     the other arguments and what decides whether the buffers ``written`` (arrays the call
     writes in place) may be written; the addresses are the arrays' (0 for absent ones), for
     the launch. None where an array's attributes cannot be read this way. ``known``: the
-    layouts and addresses of the leading arrays, taken before (``signatures``)."""
+    layouts of the leading arrays, taken before (``signatures``); their addresses are read
+    again."""
     key, ptrs = [fw, *others], []
     try:
         if known is not None:
-            key += known[0]
-            ptrs += known[1]
-            arrays = arrays[len(known[1]) :]
+            layouts, count = known
+            key += layouts
+            ptrs = fw.ptrs(arrays[:count])
+            arrays = arrays[count:]
         fw.describe(arrays, key, ptrs)
         low = 0
         for p in ptrs:
@@ -159,15 +161,15 @@ def signature(fw, arrays, *others, written=(), known=None) -> tuple | None:
 
 
 def signatures(fw, arrays) -> tuple | None:
-    """The layouts and addresses of ``arrays``, for ``signature(..., known=)`` of a later
+    """The layouts of ``arrays`` and their number, for ``signature(..., known=)`` of a later
     call on them (a torch autograd backward on the forward's inputs); None where one cannot
     be read."""
-    key, ptrs = [], []
+    key: list = []
     try:
-        fw.describe(arrays, key, ptrs)
+        fw.describe(arrays, key, [])
     except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
         return None
-    return key, ptrs
+    return key, len(arrays)
 
 
 def may_repeat(fw, *written) -> bool:

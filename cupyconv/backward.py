@@ -68,9 +68,8 @@ def causal_conv1d_bwd(
 
 def lean_backward(known, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
     """The results of a call without output buffers on the lean path, for torch autograd's
-    backward: ``known`` holds the layouts and addresses of x .. initial_states taken by the
-    forward (the same tensors); None where it has no FastCall (then the public function
-    runs)."""
+    backward: ``known`` holds the layouts of x .. initial_states taken by the forward (the
+    same tensors); None where it has no FastCall (then the public function runs)."""
     inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
     key = _fast.signature(_fast.Torch, inputs, "bwd", act, want, known=known)
     fast = _fast.lookup(key)

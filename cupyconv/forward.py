@@ -94,8 +94,8 @@ def lean_key(
 ):  # fmt: skip
     """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
     arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
-    the call cannot take it. ``known``: the layouts and addresses of x .. initial_states, taken
-    before."""
+    the call cannot take it. ``known``: the layouts of x .. initial_states, taken before
+    (``_fast.signatures``)."""
     if fw is None or (final_states_out is not None and out is None):
         return None, None
     final = return_final_states if type(return_final_states) is bool else None
