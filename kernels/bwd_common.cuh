@@ -39,18 +39,26 @@ __host__ __device__ constexpr int bwd_warps_per_sm(int bytes, int channels) {
     return bytes == 8 ? 8 : channels > 2 ? 16 : WARPS_PER_SM;
 }
 
-// Sum k of channel c over work item `part` (k < width: of dweight[c, k]; k == width: of
-// dbias[c]): into the partials, or without them (a single part) into dweight / dbias, rounded
-// once to their dtypes as bwd_reduce rounds its totals.
+// Sum k of channel c (k < width: of dweight[c, k]; k == width: of dbias[c]) as the result
+// itself, rounded once to its dtype as bwd_reduce rounds its totals. Out of line: the fast
+// kernels' code stays as compact as with partials alone.
+template <typename A, typename P>
+__device__ __noinline__ void write_result(void* dweight, void* dbias, const P& p, int64 c, int64 k, A v) {
+    if (k < p.width)
+        store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, v);
+    else if (dbias)
+        store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, v);
+}
+
+// Sum k of channel c over work item `part`: into the partials, or without them (a single
+// part) into dweight / dbias (write_result).
 template <typename A, typename P>
 __device__ __forceinline__ void write_sum(A* partials, void* dweight, void* dbias, const P& p, int64 part,
                                           int64 c, int64 k, A v) {
     if (partials)
         partials[(part * p.dim + c) * (p.width + 1) + k] = v;
-    else if (k < p.width)
-        store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, v);
-    else if (dbias)
-        store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, v);
+    else
+        write_result(dweight, dbias, p, c, k, v);
 }
 
 // SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal
