@@ -1,0 +1,93 @@
+"""The lean host path's signature (cupyconv/_fast.py): what a later call must share with an
+earlier one to reuse its launches, read from torch tensors' attributes. Runs on the CPU: the
+signature reads only layouts and addresses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cupyconv import _fast  # noqa: E402
+
+Torch = _fast.Torch
+
+
+def sig(*arrays, others=("op", "silu"), written=(), known=None):
+    return _fast.signature(Torch, arrays, *others, written=written, known=known)
+
+
+def test_addresses_come_with_the_key():
+    a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
+    key, ptrs = sig(a, b, None)
+    assert ptrs == [a.data_ptr(), b.data_ptr(), 0]
+    assert key[0] is Torch and key[1:3] == ("op", "silu")
+
+
+def test_same_layout_same_key():
+    """Other tensors of the same shapes, strides, dtypes and address bits share the key."""
+    a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
+    c, d = torch.ones(2, 8, 16), torch.ones(8, 4)
+    assert (a.data_ptr() - c.data_ptr()) % 16 == 0 and (b.data_ptr() - d.data_ptr()) % 16 == 0
+    assert sig(a, b)[0] == sig(c, d)[0]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda a: torch.zeros(2, 8, 17)[..., :16],  # strides
+        lambda a: torch.zeros(2, 16, 8).transpose(1, 2),  # memory order
+        lambda a: torch.zeros(2, 8, 15),  # shape
+        lambda a: torch.zeros(2, 8, 16, dtype=torch.float64),  # dtype
+        lambda a: torch._neg_view(a),  # a negated view of the same memory
+        lambda a: torch.zeros(2 * 8 * 16 + 1)[1:].view(2, 8, 16),  # address bits (4 bytes on)
+    ],
+    ids=["strides", "order", "shape", "dtype", "negated", "address"],
+)
+def test_layout_changes_change_the_key(other):
+    a = torch.zeros(2, 8, 16)
+    assert sig(a)[0] != sig(other(a))[0]
+
+
+def test_absent_arrays_and_other_arguments_are_part_of_the_key():
+    a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
+    assert sig(a, b, None)[0] != sig(a, None, b)[0]
+    assert sig(a, b)[0] != sig(a, b, others=("op", None))[0]
+
+
+def test_written_buffers_add_what_decides_whether_they_may_be_written():
+    a, state = torch.zeros(2, 8, 16), torch.zeros(2, 8, 3)
+    grad_state = torch.zeros(2, 8, 3).requires_grad_()
+    with torch.inference_mode():
+        inference_state = torch.zeros(2, 8, 3)
+    assert sig(a, state, written=(state,))[0][-2:] == (False, False)
+    assert sig(a, grad_state, written=(grad_state,))[0][-2:] == (True, False)
+    assert sig(a, inference_state, written=(inference_state,))[0][-2:] == (False, True)
+    assert len(sig(a, state)[0]) == len(sig(a, state, written=(state,))[0]) - 2
+
+
+def test_known_layouts_give_the_full_key_and_fresh_addresses():
+    """An autograd backward reuses the layouts its forward read; the addresses are read again
+    (a saved tensor's storage can have been replaced)."""
+    x, w, g = torch.zeros(2, 8, 16), torch.zeros(8, 4), torch.zeros(2, 8, 16)
+    known = _fast.signatures(Torch, (x, w, None))
+    assert sig(x, w, None, g, known=known) == sig(x, w, None, g)
+    old = x.data_ptr()
+    x.set_(torch.ones(2, 8, 16).untyped_storage(), 0, (2, 8, 16), (128, 16, 1))
+    key, ptrs = sig(x, w, None, g, known=known)
+    assert ptrs[0] == x.data_ptr() != old
+
+
+def test_unreadable_arrays_take_the_full_path():
+    import numpy as np
+
+    assert sig(np.zeros(3)) is None
+    assert _fast.signatures(Torch, (np.zeros(3),)) is None
+
+
+def test_framework_by_type():
+    assert _fast.framework(torch.zeros(1)) is Torch
+    assert _fast.framework(torch.nn.Parameter(torch.zeros(1))) is Torch
+    assert _fast.framework(torch.zeros(1)) is Torch  # (the type's entry, kept)
+    assert _fast.framework([1.0]) is None
