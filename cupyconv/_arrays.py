@@ -387,17 +387,23 @@ def stream_ptr(stream) -> int:
 
 def _torch_stream(device: int) -> int:
     """torch's current stream on ``device``, as a raw handle."""
-    return current_stream_reader()(device)
+    return (_current_raw_stream or current_stream_reader())(device)
+
+
+_current_raw_stream = None  # torch's accessor of the current stream's handle, looked up once
 
 
 def current_stream_reader():
     """torch's own accessor of the current stream's raw handle on a device (what its kernels
     use), or the public equivalent."""
-    torch = sys.modules["torch"]
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:
+    global _current_raw_stream
+    if _current_raw_stream is None:
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
 
-        def raw(device: int) -> int:
-            return torch.cuda.current_stream(device).cuda_stream
+            def raw(device: int) -> int:
+                return torch.cuda.current_stream(device).cuda_stream
 
-    return raw
+        _current_raw_stream = raw
+    return _current_raw_stream

@@ -29,6 +29,7 @@ from ._launch import (
     bind_sources,
     dtype_code,
     fast_divisor,
+    mma_steps,
     pack,
     resident_blocks,
     shared_memory_limit,
@@ -148,13 +149,8 @@ def _channel_name(dtype: str, width: int, seq: bool) -> str:
     return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {warps}>"
 
 
-def _mma_steps(width: int) -> int:
-    """bwd_mma's KS: k-steps of 16 window inputs, D = 16 (KS - 1) >= width - 1 (at least 2)."""
-    return max(2, 1 + -(-(width - 1) // 16))
-
-
 def _mma_name(width: int) -> str:
-    return f"bwd_mma<{C_TYPES['bfloat16']}, {_mma_steps(width)}>"
+    return f"bwd_mma<{C_TYPES['bfloat16']}, {mma_steps(width)}>"
 
 
 def _time_rows(x: Array) -> bool:
@@ -300,7 +296,7 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
     256) and halve, down to 256, while a block's shared memory would not fit the device (then
     blocks lose warps) or the items would not fill it twice over."""
     batch, dim, seqlen = x.shape
-    steps, warps = _mma_steps(width), CONSTANTS["BWD_MMA_WARPS"]
+    steps, warps = mma_steps(width), CONSTANTS["BWD_MMA_WARPS"]
     name = _mma_name(width)
 
     def smem(span):

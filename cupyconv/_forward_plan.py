@@ -26,6 +26,7 @@ from ._launch import (
     bind_sources,
     dtype_code,
     fast_divisor,
+    mma_steps,
     pack,
     resident_blocks,
     shared_memory_limit,
@@ -131,7 +132,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
     if width >= MMA_CL_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
-        ks = _mma_steps(width)
+        ks = mma_steps(width)
         for cl, cl_kind in (("false", ""), ("true", "_cl")):
             table["mma" + cl_kind] = (MMA, f"fwd_mma<{t}, {ks}, false, {cl}>")
             if dtype == "bfloat16":
@@ -144,11 +145,6 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
         table["channel"] = table["general"]
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
-
-
-def _mma_steps(width: int) -> int:
-    """KS of fwd_mma: k-steps of 16 inputs, D = 16 (KS - 1) >= width - 1."""
-    return -(-(width - 1) // 16) + 1
 
 
 def tensor_cores(x: Array, weight: Array, initial_states: Array | None) -> bool:
@@ -266,7 +262,7 @@ def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
     x the staging area of the next item's window, then each warp's zero-padded taps (2 D + 32
     floats)."""
     batch, dim, seqlen = x.shape
-    d = 16 * (_mma_steps(width) - 1)
+    d = 16 * (mma_steps(width) - 1)
     step = CONSTANTS["MMA_SPAN_STEP"]
     warps = CONSTANTS["MMA_CL_WARPS" if channel_last else "MMA_WARPS"]
     rows = warps if channel_last else 2 * warps

@@ -273,6 +273,13 @@ def shared_memory_limit(device: int) -> int:
     return limit
 
 
+def mma_steps(width: int) -> int:
+    """KS of the tensor-core kernels (fwd_mma, bwd_mma; ``ToeplitzTaps`` in
+    kernels/mma_common.cuh) for filters of ``width`` >= 2: k-steps of 16 window inputs, with
+    D = 16 (KS - 1) >= width - 1 inputs before a block's first output."""
+    return -(-(width - 1) // 16) + 1
+
+
 def fast_divisor(d: int) -> int:
     """The divisor d (>= 1) as divmod_fast in kernels/common.cuh takes it: m | k << 32 such that
     a // d == a * m >> k for every 0 <= a < 2**31 (m = ceil(2**k / d) with k = 31 + ceil(log2 d):

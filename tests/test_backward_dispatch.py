@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeCudaArray
 
 import cupyconv
-from cupyconv import _arrays, _backward_plan, backward
+from cupyconv import _arrays, _backward_plan, _launch, backward
 from cupyconv._backward_plan import CHANNEL_SMEM, all_backward_instances
 
 KERNELS = {k.template: k for k in _backward_plan.KERNELS}
@@ -225,7 +225,7 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
                 )
                 f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
                 where = f"L={seqlen} ptr%16={ptr % 16} width {width}: {f}"
-                d = 16 * (_backward_plan._mma_steps(width) - 1)
+                d = 16 * (_launch.mma_steps(width) - 1)
                 assert d >= width - 1, where
                 warps = main.block[0] // 32
                 assert 1 <= warps <= _backward_plan.CONSTANTS["BWD_MMA_WARPS"], where

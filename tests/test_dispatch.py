@@ -286,7 +286,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert launched.endswith(", true>" if layout == "cl" else ", false>")
         warps = _forward_plan.CONSTANTS["MMA_CL_WARPS" if layout == "cl" else "MMA_WARPS"]
         rows = warps if layout == "cl" else 2 * warps
-        d = 16 * (_forward_plan._mma_steps(width) - 1)
+        d = 16 * (_launch.mma_steps(width) - 1)
         assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
         assert fields["row_len"] == d + fields["span"] + (4 if layout == "cl" else 0)
         staging = (d + fields["span"]) * rows * 2 if layout == "cl" else 0
