@@ -24,6 +24,7 @@ from ._launch import (
     Launch,
     ParamBlock,
     bind_sources,
+    blocks_fit,
     dtype_code,
     fast_divisor,
     mma_steps,
@@ -42,7 +43,8 @@ CONSTANTS = {
     "TIME_WIDE_BANK_RUN": 32,  # fwd_time_wide: a staged row gains TIME_WIDE_BANK_PAD slots
     "TIME_WIDE_BANK_PAD": 4,  # every TIME_WIDE_BANK_RUN slots (no bank conflicts)
     "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
-    "MMA_CL_WARPS": 16,  # fwd_mma: warps per block (channel-contiguous x: a channel each)
+    "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
+    "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
@@ -67,6 +69,15 @@ TIME_WIDE_SMEM_BUDGET = 48 * 1024  # fwd_time_wide: most shared memory per block
 WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
+
+def mma_cl_warps(ks: int, split: bool) -> int:
+    """fwd_mma on channel-contiguous x: warps a block (each computes MMA_CL_CHANNELS / warps
+    rows). 8 where the A fragments (4 registers a k-step, twice split) take at most 20 of the 80
+    registers a thread has at MMA_CL_SM_WARPS warps an SM, else 16 (one block an SM);
+    benchmarks/NOTES.md, "fwd_mma on channel-contiguous x (version 3)"."""
+    return 8 if 4 * ks * (2 if split else 1) <= 20 else 16
+
+
 #: The parameter fields every forward kernel takes from the call, after its seven pointers
 #: (x, weight, bias, seq_idx, initial_states, out, final_states; 0 when absent). The blocks of
 #: a launch past ``main_blocks`` write the final states (``with_final_states``).
@@ -90,7 +101,7 @@ TIME = Kernel(
 )
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
-    (*_ALIGNED, "span", "run", "row_len", "staging_at", "weights_at"),
+    (*_ALIGNED, "span", "run", "row_len", "staging_at", "weights_at", "out_at"),
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
@@ -133,10 +144,11 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
     if width >= MMA_CL_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
         ks = mma_steps(width)
-        for cl, cl_kind in (("false", ""), ("true", "_cl")):
-            table["mma" + cl_kind] = (MMA, f"fwd_mma<{t}, {ks}, false, {cl}>")
-            if dtype == "bfloat16":
-                table["mma" + cl_kind + "_split"] = (MMA, f"fwd_mma<{t}, {ks}, true, {cl}>")
+        for cl, cl_kind in ((False, ""), (True, "_cl")):
+            for split in (False, True) if dtype == "bfloat16" else (False,):
+                warps = mma_cl_warps(ks, split) if cl else 0
+                name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"
+                table["mma" + cl_kind + ("_split" if split else "")] = (MMA, name)
     if width <= CHANNEL_MAX_WIDTH:
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     elif not seq:
@@ -214,7 +226,9 @@ def _plan_forward(
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
     kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
     if kind in table and (x_c == 1 if not time_major else width >= MMA_MIN_WIDTH):
-        return _plan_mma(x, out, width, table[kind][1], device, not time_major)
+        return _plan_mma(
+            x, out, width, table[kind][1], device, not time_major, kind.endswith("_split")
+        )
     if time_major:
         if width > TIME_MAX_WIDTH:
             return _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize)
@@ -251,40 +265,53 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
     )  # fmt: skip
 
 
-def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
+def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     """A persistent grid in which each warp (time-contiguous x: MMA_WARPS independent warps a
     block, two rows of shared memory each, one computed while the next is staged) or block
-    (channel-contiguous x: MMA_CL_WARPS warps sharing a tile of as many channels) takes a run
-    of items: spans of up to MMA_SPAN (MMA_CL_SPAN) outputs of a row. Spans shrink while the
-    block's shared memory would not fit, or the items would not fill the device twice over. The
-    block's shared memory: the rows (D inputs before the span, then the span; channel-
-    contiguous rows padded to 4 mod 8 elements against bank conflicts), for channel-contiguous
-    x the staging area of the next item's window, then each warp's zero-padded taps (2 D + 32
-    floats)."""
+    (channel-contiguous x: MMA_CL_WARPS warps sharing a tile of MMA_CL_CHANNELS channels) takes
+    a run of items: spans of up to MMA_SPAN (MMA_CL_SPAN) outputs of a row. Spans shrink while
+    the blocks an SM is compiled for would not fit its shared memory, or the items would not
+    fill the device twice over. The block's shared memory: the rows (D inputs before the span,
+    then the span; channel-contiguous rows padded to 8 mod 16 elements against bank conflicts),
+    for channel-contiguous x the staging area of the next item's window, then each row's (time-
+    contiguous: each warp's) zero-padded taps (2 D + 32 floats), then for channel-contiguous x
+    each warp's output block (16 steps of MMA_CL_CHANNELS channels)."""
     batch, dim, seqlen = x.shape
-    d = 16 * (mma_steps(width) - 1)
+    ks = mma_steps(width)
+    d = 16 * (ks - 1)
     step = CONSTANTS["MMA_SPAN_STEP"]
-    warps = CONSTANTS["MMA_CL_WARPS" if channel_last else "MMA_WARPS"]
-    rows = warps if channel_last else 2 * warps
-    channels = warps if channel_last else 1  # channels of an item
+    if channel_last:
+        warps = mma_cl_warps(ks, split)
+        rows = channels = CONSTANTS["MMA_CL_CHANNELS"]  # rows and channels of an item
+        per_sm = CONSTANTS["MMA_CL_SM_WARPS"] // warps  # blocks an SM is compiled for
+    else:
+        warps, channels, per_sm = CONSTANTS["MMA_WARPS"], 1, 1
+        rows = 2 * warps
 
     def layout(span):
-        row_len = d + span + (4 if channel_last else 0)
+        row_len = d + span + ((8 - d - span) % 16 if channel_last else 0)
         staging_at = -(-rows * row_len * 2 // 16) * 16
-        weights_at = staging_at + ((d + span) * warps * 2 if channel_last else 0)
-        return row_len, staging_at, weights_at, weights_at + warps * (2 * d + 32) * 4
+        weights_at = staging_at + ((d + span) * channels * 2 if channel_last else 0)
+        out_at = weights_at + (channels if channel_last else warps) * (2 * d + 32) * 4
+        return (
+            row_len,
+            staging_at,
+            weights_at,
+            out_at,
+            out_at + (warps * 512 if channel_last else 0),
+        )
 
     def items(span):  # (channels, batch row, span)
         return -(-dim // channels) * batch * -(-seqlen // span)
 
     span = min(CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_SPAN, -(-seqlen // step) * step)
-    while span > step and layout(span)[3] > shared_memory_limit(device):
+    while span > step and not blocks_fit(device, layout(span)[4], per_sm):
         span = span // 2 // step * step
-    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[3])
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[4])
     per_block = 1 if channel_last else warps  # items a block computes at once
     while span > step and items(span) < 2 * resident * per_block:
         span = span // 2 // step * step
-    row_len, staging_at, weights_at, smem = layout(span)
+    row_len, staging_at, weights_at, out_at, smem = layout(span)
     resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
     spans = -(-seqlen // span)
     # channel-contiguous x: units of `run` spans of a row, at least two a block where the rows
@@ -299,6 +326,7 @@ def _plan_mma(x, out, width, name, device, channel_last) -> Launch:
         name, grid, (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
         span=span, run=run, row_len=row_len, staging_at=staging_at, weights_at=weights_at,
+        out_at=out_at,
     )  # fmt: skip
 
 

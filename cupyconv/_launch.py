@@ -256,6 +256,25 @@ def resident_blocks(device: int, source: Source, name: str, threads: int, smem: 
     return blocks
 
 
+def blocks_fit(device: int, smem: int, blocks: int) -> bool:
+    """Whether ``blocks`` blocks of ``smem`` bytes of dynamic shared memory each fit on one SM of
+    ``device`` at once (with the shared memory the driver reserves per block)."""
+    sm = _sm_smem.get(device)
+    if sm is None:
+        from cupy.cuda import runtime as rt
+
+        sm = _sm_smem[device] = tuple(
+            rt.deviceGetAttribute(a, device)
+            for a in (
+                rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                rt.cudaDevAttrReservedSharedMemoryPerBlock,
+            )
+        )
+    total, reserved = sm
+    return smem <= shared_memory_limit(device) and blocks * (smem + reserved) <= total
+
+
+_sm_smem: dict[int, tuple[int, int]] = {}
 _smem_limit: dict[int, int] = {}
 
 

@@ -56,6 +56,7 @@ template <int KS>
 struct Taps {
     using Sizes = ToeplitzTaps<KS>;
     static constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE, N = Sizes::N;
+    static constexpr int BIAS = SIZE - 1;  // wpad[BIAS]: the bias (past every slot the band reads)
     unsigned next[N], bias;
 
     __device__ __forceinline__ static void zero(float* wpad) {
@@ -77,13 +78,20 @@ struct Taps {
     template <typename T, bool SPLIT>
     __device__ __forceinline__ void install(RowWeights<KS, SPLIT>& rw, float* wpad, int width, int weight_code,
                                             int bias_code) const {
-        const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+        const int lane = threadIdx.x & 31;
         __syncwarp();  // the previous row's own_taps has read wpad
         #pragma unroll
         for (int j = 0; j < N; ++j)
             if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
-        rw.bias = bits_as<float>(bias, bias_code);
+        if (lane == 0) wpad[BIAS] = bits_as<float>(bias, bias_code);
         __syncwarp();
+        build<T>(rw, wpad, width);
+    }
+    // The A fragments and the bias of the taps in wpad.
+    template <typename T, bool SPLIT>
+    __device__ __forceinline__ static void build(RowWeights<KS, SPLIT>& rw, const float* wpad, int width) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+        rw.bias = wpad[BIAS];
         const float* wl = wpad + PAD + 4 * tg - 2 * g - (D - width + 1);  // the band ends at the output
         #pragma unroll
         for (int s = 0; s < KS; ++s) {
@@ -195,14 +203,14 @@ __device__ __forceinline__ int window_inputs(int D, int n_out) {
 // Warps a block and blocks an SM that fwd_mma is compiled for: time-contiguous x takes blocks
 // of MMA_WARPS independent warps, channel-contiguous x one block of MMA_CL_WARPS warps that
 // share their tiles.
-template <int KS, bool SPLIT, bool CL>
+template <int KS, bool SPLIT, int CLW>
 struct MmaLaunch {
-    static constexpr int warps = CL ? MMA_CL_WARPS : MMA_WARPS;
-    static constexpr int blocks = CL ? 1 : mma_blocks_per_sm(KS, SPLIT);
+    static constexpr int warps = CLW ? CLW : MMA_WARPS;
+    static constexpr int blocks = CLW ? MMA_CL_SM_WARPS / CLW : mma_blocks_per_sm(KS, SPLIT);
 };
 
-template <typename T, int KS, bool SPLIT, bool CL>
-__global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunch<KS, SPLIT, CL>::blocks)
+template <typename T, int KS, bool SPLIT, int CLW>
+__global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CLW>::warps, MmaLaunch<KS, SPLIT, CLW>::blocks)
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     constexpr int D = Taps<KS>::D;  // inputs before a row's first output
@@ -216,8 +224,12 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* const rows = reinterpret_cast<T*>(smem_raw);  // the rows, row_len elements each
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // The zero-padded taps (Taps): the warp's (time-contiguous x), or row r's at r SIZE.
     float* const wpad = reinterpret_cast<float*>(smem_raw + p.weights_at) + warp * Taps<KS>::SIZE;
-    Taps<KS>::zero(wpad);
+    constexpr int OWN = CLW ? MMA_CL_CHANNELS / CLW : 1;  // the rows a warp computes
+    static_assert(CLW == 0 || MMA_CL_CHANNELS % CLW == 0, "a block's warps share its rows evenly");
+    #pragma unroll 1
+    for (int j = 0; j < OWN; ++j) Taps<KS>::zero(wpad + j * CLW * Taps<KS>::SIZE);
     const int64 spans = (seqlen + span - 1) / span;
     Taps<KS> taps;
     RowWeights<KS, SPLIT> rw;
@@ -228,7 +240,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
         bool new_channel;  // the first item of its channel in the warp's (block's) run
     };
 
-    if constexpr (!CL) {
+    if constexpr (CLW == 0) {
         // Time-contiguous x: warp w of the grid takes a run of items channel-major (c, b, sp),
         // so a channel's taps are installed once for its run; each item is staged into one of
         // the warp's two rows while it computes the other.
@@ -316,20 +328,26 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
         }
         cp_async_wait<0>();
     } else {
-        // Channel-contiguous x: block k takes a run of items of MMA_CL_WARPS channels (row r
-        // of the block: channel c0 + r, computed by warp r). Lane (i, h) of a warp moves the 8
-        // channels 8 h .. 8 h + 7 at window positions i, i + STEP, ...: two lanes a step of 16
-        // channels (32 bytes). The next item's inputs are copied (cp.async) into a staging
-        // area (at byte p.staging_at: a window position's 16 channels, 32 bytes, after another)
-        // while the warps compute the current one; each lane then moves its own positions from
-        // there into the rows. p.row_len = 4 mod 8 keeps those transposing shared-memory
-        // accesses free of bank conflicts.
-        constexpr int STEP = MMA_CL_WARPS * 16;
-        uint4* const staging = reinterpret_cast<uint4*>(smem_raw + p.staging_at);
+        // Channel-contiguous x: block k takes a run of items of ROWS = 16 channels (row r of the
+        // block: channel c0 + r, computed by warp r mod CLW). Warp w moves window positions
+        // 16 w .. 16 w + 15, then STEP further, and so on, lane (i, h) copying the 8 channels
+        // 8 h .. of position 16 w + i: the next item's window goes (cp.async; zeros past the row,
+        // states and unaligned x element by element) into a staging area at byte p.staging_at,
+        // position i's 32 bytes at staging + 2 i, their two halves swapped where i / 4 is odd
+        // (so 8 consecutive positions of a half lie in 8 distinct bank groups), while the warps
+        // compute the current item. Each warp then transposes its own positions into the rows
+        // with one ldmatrix.trans (16 positions x 16 channels) and four 4-byte stores a lane,
+        // and the outputs back out of the rows the same way. p.row_len = 8 mod 16 makes both
+        // free of bank conflicts.
+        constexpr int STEP = CLW * 16, ROWS = MMA_CL_CHANNELS;  // positions a pass, rows
+        static_assert(ROWS == 16, "two 8x8 matrices of channels per 16 positions");
+        T* const staging = reinterpret_cast<T*>(smem_raw + p.staging_at);
+        // The 16-byte slot of channels 8 h .. 8 h + 7 at window position i.
+        auto slot = [](int i, int h) { return 2 * i + (h ^ ((i >> 2) & 1)); };
         // The work comes in units of p.run consecutive spans of a row (b, group); block k
         // takes the units u = k, k + grid, ... (group fastest: the blocks at work at one time
         // read neighbouring channels of the same steps) and installs the taps once a unit.
-        const int64 groups = (dim + MMA_CL_WARPS - 1) / MMA_CL_WARPS, run = p.run, parts = (spans + run - 1) / run;
+        const int64 groups = (dim + ROWS - 1) / ROWS, run = p.run, parts = (spans + run - 1) / run;
         const int64 n_units = groups * batch * parts, grid = p.main_blocks;
         const int64 end = blockIdx.x < n_units ? ((n_units - 1 - blockIdx.x) / grid + 1) * run : 0;  // items
         auto unit_item = [&](int64 u) {  // the first item of unit u
@@ -337,7 +355,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
             divmod(u, groups, bp, g);
             Item it;
             it.b = bp / parts;
-            it.c = g * MMA_CL_WARPS;
+            it.c = g * ROWS;
             it.t0 = (bp - it.b * parts) * run * span;
             it.n_out = (int)min(span, seqlen - it.t0);
             it.new_channel = true;
@@ -356,78 +374,138 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CL>::warps, MmaLaunc
             return it;
         };
         const int i0 = warp * 16 + (lane >> 1), h = lane & 1;
-        // Whether this lane's 8 channels of item `it` move as vectors.
-        auto vectors = [&](const Item& it) { return x_aligned && it.c + 8 * h + VN <= dim; };
-        // Copies the vectors of item `it`'s window that lie in the row into the staging area.
+        // Copies item `it`'s window into the staging area: in 16-byte vectors where x takes
+        // them for this lane's 8 channels, element by element where it does not and before
+        // the row with initial states; zeros past the row.
         auto load = [&](const Item& it, bool valid) {
-            if (valid && vectors(it)) {
-                const T* xb = x + it.b * p.x_batch_stride + it.c + 8 * h;
+            if (valid) {
                 const int64 w0 = it.t0 - D;
                 const int n_in = window_inputs(D, it.n_out);
-                #pragma unroll 2
-                for (int i = i0; i < n_in; i += STEP) {
-                    const int64 pos = w0 + i;
-                    if (pos >= 0 && pos < seqlen) cp_async<16>(staging + 2 * i + h, xb + pos * p.x_l_stride, 16);
+                const int64 c = it.c + 8 * h;
+                int i = i0;
+                if (x_aligned && c + VN <= dim) {
+                    for (; i < n_in && w0 + i < 0; i += STEP) {  // before the row
+                        uint4* const to = reinterpret_cast<uint4*>(staging) + slot(i, h);
+                        if (initial_states && w0 + i >= -(width - 1)) {
+                            #pragma unroll 1
+                            for (int q = 0; q < VN; ++q)
+                                staging[8 * slot(i, h) + q] = window_input(x, initial_states, p, it.b, c + q, w0 + i);
+                        } else {
+                            *to = make_uint4(0, 0, 0, 0);
+                        }
+                    }
+                    const int lim = (int)min((int64)n_in, seqlen - w0);  // positions in the row
+                    const int64 step = STEP * p.x_l_stride;
+                    const T* src = x + it.b * p.x_batch_stride + c + (w0 + i) * p.x_l_stride;
+                    #pragma unroll 4
+                    for (; i < lim; i += STEP, src += step) cp_async<16>(staging + 8 * slot(i, h), src, 16);
+                    for (; i < n_in; i += STEP) reinterpret_cast<uint4*>(staging)[slot(i, h)] = make_uint4(0, 0, 0, 0);
+                } else {
+                    for (; i < n_in; i += STEP) {
+                        #pragma unroll 1
+                        for (int q = 0; q < VN; ++q)
+                            staging[8 * slot(i, h) + q] = window_input(x, initial_states, p, it.b, c + q, w0 + i);
+                    }
                 }
             }
             cp_async_commit();
         };
-        // Writes item `it`'s window into the rows: the staged vectors (zeros outside the row),
-        // element by element before the row (states) or where x does not take vectors.
+        // Warp w's positions move between the staging area and the rows in 16 x 16 blocks (16
+        // positions, 16 channels): one ldmatrix.trans of four 8x8 matrices q = (a, hq) (a = q / 2:
+        // positions 8 a .., hq = q % 2: channels 8 hq ..), lane (g, tg) then holding elements
+        // (2 tg, g) and (2 tg + 1, g) of each (mma_common.cuh, ldmatrix_x4_trans).
+        const int mq = lane >> 3, mj = lane & 7, g = lane >> 2, tg = lane & 3;
+        // In: matrix rows are positions (a staged half each); lane (g, tg) gets positions 2 tg,
+        // 2 tg + 1 of channel 8 hq + g, one 4-byte word of its row.
+        const T* const in_from = staging + 8 * slot(8 * (mq >> 1) + mj, mq & 1);
+        unsigned* const in_to = reinterpret_cast<unsigned*>(rows + g * row_len) + tg;
+        const int rows8 = 4 * row_len;  // words of 8 rows
         auto store = [&](const Item& it) {
-            const bool vec = vectors(it);
-            const int64 w0 = it.t0 - D;
             const int n_in = window_inputs(D, it.n_out);
             #pragma unroll 2
-            for (int i = i0; i < n_in; i += STEP) {
-                const int64 pos = w0 + i;
-                if (vec && (pos >= 0 || pos < -(width - 1) || !initial_states)) {
-                    Vec<T> v;
-                    v.raw = pos >= 0 && pos < seqlen ? staging[2 * i + h] : make_uint4(0, 0, 0, 0);
-                    #pragma unroll
-                    for (int q = 0; q < VN; ++q) rows[(8 * h + q) * row_len + i] = v.e[q];
-                } else {
-                    #pragma unroll 1
-                    for (int q = 0; q < VN; ++q)
-                        rows[(8 * h + q) * row_len + i] = window_input(x, initial_states, p, it.b, it.c + 8 * h + q, pos);
-                }
+            for (int base = warp * 16; base < n_in; base += STEP) {
+                unsigned wd[4];
+                ldmatrix_x4_trans(wd, in_from + 16 * base);
+                unsigned* const to = in_to + base / 2;
+                to[0] = wd[0];
+                to[rows8] = wd[1];
+                to[4] = wd[2];
+                to[rows8 + 4] = wd[3];
             }
         };
+        // Out: matrix rows are channels; lane (g, tg) gets channels 8 hq + 2 tg, 8 hq + 2 tg + 1
+        // at position 8 a + g, which it writes into the warp's output block (16 positions of 32
+        // bytes, halves swapped as in the staging area) for 16-byte stores.
+        const T* const out_from = rows + (8 * (mq & 1) + mj) * row_len + 8 * (mq >> 1);
+        uint4* const block = reinterpret_cast<uint4*>(smem_raw + p.out_at) + 32 * warp;
+        unsigned* const out_to = reinterpret_cast<unsigned*>(block) + 8 * g + tg;
+        const int sw = 4 * ((g >> 2) & 1);  // words: half hq at 4 (hq ^ swapped)
         Item it = unit_item(unit);
         load(it, end > 0);
         #pragma unroll 1
         for (int64 i = 0; i < end; ++i) {
-            cp_async_wait<0>();  // (each lane moves only what it copied itself)
+            cp_async_wait<0>();
+            __syncwarp();  // (each warp moves only what it copied itself)
             store(it);
             __syncthreads();  // the item's window is in the rows
             const Item next = next_of(it);
             load(next, i + 1 < end && next.n_out > 0);
-            const int64 c = it.c + warp;
-            if (c < dim) {
+            // warp w computes rows w, w + CLW, ... (with one row a warp, its fragments stay)
+            #pragma unroll 1
+            for (int j = 0; j < OWN; ++j) {
+                const int r = warp + j * CLW;
+                const int64 c = it.c + r;
+                float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
+                if (c >= dim) break;
                 if (it.new_channel) {
                     taps.fetch(weight, bias, p, c);
-                    taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
+                    taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
+                } else if constexpr (OWN > 1) {
+                    Taps<KS>::template build<T, SPLIT>(rw, wr, width);
                 }
-                row_outputs<T, KS, SPLIT>(rows + warp * row_len, it.n_out, rw, wpad, x, initial_states, p, it.b, c,
-                                          it.t0);
+                row_outputs<T, KS, SPLIT>(rows + r * row_len, it.n_out, rw, wr, x, initial_states, p, it.b, c, it.t0);
             }
             __syncthreads();  // the item's outputs are in the rows
-            T* const ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride;
-            const bool whole_out = out_aligned && it.c + 8 * h + VN <= dim;
-            #pragma unroll 2
-            for (int o = i0; o < it.n_out; o += STEP) {
-                Vec<T> v;
-                #pragma unroll
-                for (int q = 0; q < VN; ++q) v.e[q] = rows[(8 * h + q) * row_len + o];
+            // This warp's positions of the outputs, transposed back through its output block,
+            // two passes at a time: lane (i, h) then stores channels 8 h .. 8 h + 7 at positions
+            // base + i and base + STEP + i.
+            const bool whole_out = out_aligned && it.c + ROWS <= dim;
+            const int i_own = lane >> 1;
+            T* ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride +
+                    (it.t0 + warp * 16 + i_own) * p.out_l_stride;
+            const int64 ob_step = STEP * p.out_l_stride;
+            auto put = [&](const Vec<T>& v, T* at, int o) {
+                if (o >= it.n_out) return;
                 if (whole_out) {
-                    *reinterpret_cast<uint4*>(ob + (it.t0 + o) * p.out_l_stride) = v.raw;
+                    *reinterpret_cast<uint4*>(at) = v.raw;
                 } else {
                     #pragma unroll
                     for (int q = 0; q < VN; ++q)
-                        if (it.c + 8 * h + q < dim) ob[q * p.out_c_stride + (it.t0 + o) * p.out_l_stride] = v.e[q];
+                        if (it.c + 8 * h + q < dim) at[q * p.out_c_stride] = v.e[q];
                 }
+            };
+            #pragma unroll 1
+            for (int base = warp * 16; base < it.n_out; base += 2 * STEP, ob += 2 * ob_step) {
+                const bool two = base + STEP < it.n_out;
+                unsigned wd[2][4];
+                ldmatrix_x4_trans(wd[0], out_from + base);
+                if (two) ldmatrix_x4_trans(wd[1], out_from + base + STEP);
+                Vec<T> v[2];
+                #pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    if (k == 1 && !two) break;
+                    out_to[sw] = wd[k][0];
+                    out_to[4 - sw] = wd[k][1];
+                    out_to[64 + sw] = wd[k][2];
+                    out_to[68 - sw] = wd[k][3];
+                    __syncwarp();
+                    v[k].raw = block[slot(i_own, h)];
+                    __syncwarp();  // the block is read before it is written again
+                }
+                put(v[0], ob, base + i_own);
+                if (two) put(v[1], ob + ob_step, base + STEP + i_own);
             }
-            // (this lane's positions are the ones it stages next: no barrier before store)
+            // (the rows' outputs are read before the next store: the barrier after it)
             it = next;
         }
     }
