@@ -50,9 +50,17 @@ def launches(monkeypatch):
     monkeypatch.setattr(forward, "result", lambda like, arr: arr.obj)
     fake_resident = lambda device, source, name, threads, smem: 132 * 8
     monkeypatch.setattr(_forward_plan, "resident_blocks", fake_resident)
-    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: SM90_SMEM)
+    fake_device(monkeypatch, SM90_SMEM)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     return record
+
+
+def fake_device(monkeypatch, limit):
+    """A device whose blocks may have ``limit`` bytes of dynamic shared memory, and whose SMs
+    hold that and a reserved kilobyte a block (sm_80 to sm_90)."""
+    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
+    fit = lambda device, smem, blocks: blocks * (smem + 1024) <= limit + 1024  # noqa: E731
+    monkeypatch.setattr(_forward_plan, "blocks_fit", fit)
 
 
 SM90_SMEM, SM80_SMEM, SM86_SMEM = 232448, 166912, 101376  # opt-in shared memory per block
@@ -254,17 +262,17 @@ H = "__half"
 @pytest.mark.parametrize(
     "xdtype,wdtype,init,width,cf_name,cl_name",
     [
-        (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, false>", f"fwd_mma<{H}, 5, false, true>"),
+        (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma<{H}, 5, false, 8>"),
         # float16 x: tensor cores only with float16 weights and states
         (F16, F32, None, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
-        (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, false>", f"fwd_mma<{H}, 3, false, true>"),
-        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, false>", f"fwd_mma<{H}, 2, false, true>"),
+        (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma<{H}, 3, false, 8>"),
+        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_mma from width 9
-        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma<{H}, 2, false, true>"),
-        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_mma<{H}, 2, false, true>"),
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma<{H}, 2, false, 8>"),
+        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_mma<{H}, 2, false, 8>"),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
-        (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, false>", f"fwd_mma<{H}, 17, false, true>"),
+        (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
         (F32, F32, None, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
     ],
 )  # fmt: skip
@@ -283,35 +291,51 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
     assert launched == name
     if launched.startswith("fwd_mma"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
-        assert launched.endswith(", true>" if layout == "cl" else ", false>")
-        warps = _forward_plan.CONSTANTS["MMA_CL_WARPS" if layout == "cl" else "MMA_WARPS"]
-        rows = warps if layout == "cl" else 2 * warps
-        d = 16 * (_launch.mma_steps(width) - 1)
+        ks = _launch.mma_steps(width)
+        cl = layout == "cl"
+        warps = (
+            _forward_plan.mma_cl_warps(ks, False) if cl else _forward_plan.CONSTANTS["MMA_WARPS"]
+        )
+        assert launched.endswith(f", {warps if cl else 0}>")
+        assert plan.block == (32 * warps, 1)
+        rows = _forward_plan.CONSTANTS["MMA_CL_CHANNELS"] if cl else 2 * warps
+        d = 16 * (ks - 1)
         assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
-        assert fields["row_len"] == d + fields["span"] + (4 if layout == "cl" else 0)
-        staging = (d + fields["span"]) * rows * 2 if layout == "cl" else 0
+        if cl:  # rows of 8 mod 16 elements: the transposes are free of bank conflicts
+            assert d + fields["span"] <= fields["row_len"] < d + fields["span"] + 16
+            assert fields["row_len"] % 16 == 8
+        else:
+            assert fields["row_len"] == d + fields["span"]
+        staging = (d + fields["span"]) * rows * 2 if cl else 0
         assert fields["staging_at"] >= rows * fields["row_len"] * 2
         assert fields["weights_at"] == fields["staging_at"] + staging
-        taps = warps * (2 * d + 32) * 4
-        assert plan.smem == fields["weights_at"] + taps
+        assert fields["out_at"] == fields["weights_at"] + (rows if cl else warps) * (2 * d + 32) * 4
+        assert plan.smem == fields["out_at"] + (warps * 512 if cl else 0)
+        if cl:  # the blocks an SM is compiled for fit its shared memory
+            per_sm = _forward_plan.CONSTANTS["MMA_CL_SM_WARPS"] // warps
+            assert per_sm * (plan.smem + 1024) <= SM90_SMEM + 1024
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 @pytest.mark.parametrize(
-    "wdtype,width,name",
+    "wdtype,width,name,cl_warps",
     [
-        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true, false>"),
-        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true, false>"),
-        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false, false>"),
-        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false, false>"),
+        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true, 0>", 16),
+        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true, 0>", 16),
+        ("float16", 17, "fwd_mma<__nv_bfloat16, 2, true, 0>", 8),
+        ("bfloat16", 33, "fwd_mma<__nv_bfloat16, 3, false, 0>", 8),
+        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false, 0>", 16),
+        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false, 0>", 16),
     ],
 )
-def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, layout):
-    """bfloat16 x takes fwd_mma with any weights: split in two parts when they are wider."""
+def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_warps, layout):
+    """bfloat16 x takes fwd_mma with any weights: split in two parts when they are wider;
+    channel-contiguous x in blocks of 8 warps where the split fragments leave the registers for
+    three blocks an SM, else 16."""
     import ml_dtypes
 
     monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 8)
-    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: SM90_SMEM)
+    fake_device(monkeypatch, SM90_SMEM)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -319,7 +343,7 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, layout):
     x = _arrays.Array(None, "fake", 0, 1 << 32, (2, 64, 4096), strides, bf16)
     w = _arrays.Array(None, "fake", 0, 2 << 32, (64, width), (width, 1), np.dtype(dtypes[wdtype]))
     plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
-    assert plan.name == (name.replace("false>", "true>") if layout == "cl" else name)
+    assert plan.name == (name.replace(", 0>", f", {cl_warps}>") if layout == "cl" else name)
     fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
     assert fields["x_aligned"] == 1
 
@@ -356,7 +380,7 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
     16-bit x takes fwd_mma from MMA_MIN_WIDTH / MMA_CL_MIN_WIDTH on) x short and long rows:
     the block's dynamic shared memory within the device's opt-in limit, at most 1024 threads,
     1 <= grid < 2**31; where the channel-last wide tile would not fit, the general kernel."""
-    monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
+    fake_device(monkeypatch, limit)
     fallbacks = 0
     for dtype in (np.float32, np.float16, np.float64):
         for layout, make in LAYOUTS.items():
