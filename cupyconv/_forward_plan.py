@@ -268,7 +268,7 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
 def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     """A persistent grid in which each warp (time-contiguous x: MMA_WARPS independent warps a
     block, two rows of shared memory each, one computed while the next is staged) or block
-    (channel-contiguous x: MMA_CL_WARPS warps sharing a tile of MMA_CL_CHANNELS channels) takes
+    (channel-contiguous x: mma_cl_warps warps sharing a tile of MMA_CL_CHANNELS channels) takes
     a run of items: spans of up to MMA_SPAN (MMA_CL_SPAN) outputs of a row. Spans shrink while
     the blocks an SM is compiled for would not fit its shared memory, or the items would not
     fill the device twice over. The block's shared memory: the rows (D inputs before the span,

@@ -1,16 +1,17 @@
 // fwd_mma.cu: the forward for 16-bit x and widths 9 to 256 on tensor cores, on both layouts.
 //
-//   fwd_mma<T, KS, SPLIT, CL>
+//   fwd_mma<T, KS, SPLIT, CLW>
 //       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and
-//       fwd_channel_wide serve those); SPLIT: weights of another dtype than x; CL: channel-
-//       contiguous x. A persistent grid: for time-contiguous x each of the MMA_WARPS warps of a
-//       block takes its own run of items (spans of p.span outputs of a row), staging each into
-//       one of its two rows of shared memory with cp.async while it computes the other; for
-//       channel-contiguous x a block of MMA_CL_WARPS warps takes runs of p.run spans of
-//       MMA_CL_WARPS channels, warp r computing channel r, the next item copied into a
-//       staging area while the current one is computed and transposed from there. Either way
-//       a row's window (positions t0 - D ..) lies in shared memory time-contiguous,
-//       p.row_len elements a row, and a row's weights are installed once per run.
+//       fwd_channel_wide serve those); SPLIT: weights of another dtype than x; CLW: 0 for
+//       time-contiguous x, else channel-contiguous x in blocks of CLW warps. A persistent grid:
+//       for time-contiguous x each of the MMA_WARPS warps of a block takes its own run of items
+//       (spans of p.span outputs of a row), staging each into one of its two rows of shared
+//       memory with cp.async while it computes the other; for channel-contiguous x a block of
+//       CLW warps (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs of p.run spans of
+//       MMA_CL_CHANNELS channels, warp w computing rows w, w + CLW, .., the next item copied
+//       into a staging area while the current one is computed. Either way a row's window
+//       (positions t0 - D ..) lies in shared memory time-contiguous, p.row_len elements a row,
+//       and a row's weights are installed once per run.
 //
 // For one channel, 16 consecutive outputs are a banded Toeplitz matrix of the weights times
 // the inputs before them:  out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m],  m < D + 16, with
@@ -201,8 +202,8 @@ __device__ __forceinline__ int window_inputs(int D, int n_out) {
 }
 
 // Warps a block and blocks an SM that fwd_mma is compiled for: time-contiguous x takes blocks
-// of MMA_WARPS independent warps, channel-contiguous x one block of MMA_CL_WARPS warps that
-// share their tiles.
+// of MMA_WARPS independent warps, channel-contiguous x blocks of CLW warps that share their
+// tiles, MMA_CL_SM_WARPS warps an SM.
 template <int KS, bool SPLIT, int CLW>
 struct MmaLaunch {
     static constexpr int warps = CLW ? CLW : MMA_WARPS;
