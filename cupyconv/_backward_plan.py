@@ -47,7 +47,10 @@ CONSTANTS = {
     "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general path)
-CHANNEL_MAX_WIDTH = 8  # bwd_channel up to this width
+# bwd_channel up to this width: at 9 / 12 / 16 it runs 20 / 10 / 4 times the general path's
+# speed, from 24 on its rings spill (5-10 KB of stack a thread) and it gains 1.1-1.9 times
+# (benchmarks/NOTES.md, "The channel-last backward from width 9").
+CHANNEL_MAX_WIDTH = 16
 # bwd_mma (bfloat16 x and weights, time-contiguous x, no seq_idx) from this width on, for spans
 # of up to MMA_SPAN positions (a multiple of 256).
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024

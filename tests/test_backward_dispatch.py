@@ -81,7 +81,8 @@ def names(record):
         (cf(2, 64, 300), 17, "bwd_dz"),  # wider: the general path
         (cl(2, 64, 300), 4, "bwd_channel"),
         (cl(2, 64, 300), 8, "bwd_channel"),
-        (cl(2, 64, 300), 9, "bwd_dz"),
+        (cl(2, 64, 300), 16, "bwd_channel"),
+        (cl(2, 64, 300), 17, "bwd_dz"),  # wider: the general path
         (cl(2, 63, 300), 4, "bwd_dz"),  # channels do not split into lane vectors
         (cl(2, 64, 300, offset=1), 4, "bwd_dz"),  # misaligned
         (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_dz"),  # every other step
