@@ -160,13 +160,15 @@ def test_width1_has_no_final_states_launch(launches):
 
 
 def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
-    """Blocks per SM = min over registers, shared memory, threads and the block limit."""
+    """Blocks per SM = min over registers, shared memory, threads and the block limit; a plan's
+    blocks an SM fit its shared memory with the driver's reserve a block (``blocks_fit``)."""
     import sys
     import types
 
     attrs = {"count": 132, "smem": 233472, "regs": 65536, "threads": 2048, "blocks": 32}
-    attrs["res"] = 1024
+    attrs["res"], attrs["optin"] = 1024, 232448
     runtime = types.SimpleNamespace(
+        cudaDevAttrMaxSharedMemoryPerBlockOptin="optin",
         cudaDevAttrMultiProcessorCount="count",
         cudaDevAttrMaxSharedMemoryPerMultiprocessor="smem",
         cudaDevAttrMaxRegistersPerMultiprocessor="regs",
@@ -179,6 +181,12 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setattr(_launch, "_resident", {})
+    monkeypatch.setattr(_launch, "_sm_smem", {})
+    monkeypatch.setattr(_launch, "_smem_limit", {})
+    # three blocks of 76800 bytes and their reserves fill 233472 exactly; one block may not
+    # exceed the opt-in limit however many fit
+    assert _launch.blocks_fit(0, 76800, 3) and not _launch.blocks_fit(0, 76801, 3)
+    assert _launch.blocks_fit(0, 232448, 1) and not _launch.blocks_fit(0, 232449, 1)
     kernel = types.SimpleNamespace(num_regs=64, shared_size_bytes=0)
     monkeypatch.setattr(_launch, "get_raw_kernel", lambda source, name, device: kernel)
     source = _forward_plan.SOURCES["fwd_mma.cu"]
