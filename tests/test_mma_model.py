@@ -99,3 +99,96 @@ def test_fragment_model_is_the_convolution(width):
         x = rng.standard_normal(length)
         w = rng.standard_normal(width)
         np.testing.assert_allclose(model(x, w, width), direct(x, w, width), atol=1e-9)
+
+
+# ---- channel-contiguous x: the staging area, the rows and the output block -------------------
+# Shared memory is 32 banks of 4 bytes; a warp's access is free of conflicts when no two of its
+# lanes (of one phase: 8 lanes for 16-byte accesses) touch different words of one bank.
+
+
+def slot(i, h):
+    """The 16-byte slot of channels 8 h .. 8 h + 7 at window position i (fwd_mma.cu)."""
+    return 2 * i + (h ^ ((i >> 2) & 1))
+
+
+def ldmatrix_trans(row_bytes):
+    """ldmatrix.x4.trans: four 8x8 matrices of 16-bit values, lanes 8 q .. 8 q + 7 giving the
+    byte addresses of matrix q's rows. Returns, per lane (g, tg) and matrix q, the (row address,
+    column) of the two elements its word holds: (2 tg, g) and (2 tg + 1, g)."""
+    return {
+        (lane, q): [(row_bytes[8 * q + 2 * (lane & 3) + e], lane >> 2) for e in (0, 1)]
+        for lane in range(32)
+        for q in range(4)
+    }
+
+
+def conflict_free(byte_addresses, width):
+    """Whether accesses of ``width`` bytes at these addresses (one phase) hit distinct banks or
+    the same words."""
+    words = {}
+    for a in byte_addresses:
+        for w in range(a // 4, (a + width) // 4):
+            words.setdefault(w % 32, set()).add(w)
+    return all(len(ws) == 1 for ws in words.values())
+
+
+@pytest.mark.parametrize("width,span", [(9, 1024), (31, 512), (64, 512), (256, 512)])
+def test_channel_last_transposes(width, span):
+    """The staged window (position-major, 16 channels a position) reaches the rows (channel-
+    major) element for element through each warp's ldmatrix.trans and 4-byte stores, and the
+    outputs leave the rows through the output block the same way, every access free of bank
+    conflicts, with the rows the plan lays out (8 mod 16 elements)."""
+    d = 16 * (-(-(width - 1) // 16))
+    row_len = d + span + (8 - d - span) % 16
+    n_in = d + span
+    window = rng.integers(0, 2**15, (n_in, 16))  # [position][channel]
+    staging = np.zeros(2 * n_in * 8, np.int64)  # 16-bit elements
+    for i in range(n_in):
+        for h in range(2):
+            staging[8 * slot(i, h) : 8 * slot(i, h) + 8] = window[i, 8 * h : 8 * h + 8]
+    rows = np.zeros(16 * row_len, np.int64)
+    for base in range(0, n_in, 16):  # one warp's pass
+        # matrix q = (a, hq): its row j is position base + 8 a + j, channels 8 hq ..
+        row_bytes = [16 * slot(base + 8 * (q >> 1) + j, q & 1) for q in range(4) for j in range(8)]
+        for q in range(4):
+            assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
+        words = ldmatrix_trans(row_bytes)
+        for q in range(4):
+            stores = []
+            for lane in range(32):
+                g, tg = lane >> 2, lane & 3
+                at = (8 * (q & 1) + g) * row_len + base + 8 * (q >> 1) + 2 * tg  # in_to[...]
+                stores.append(2 * at)
+                for e, (rb, col) in enumerate(words[(lane, q)]):
+                    rows[at + e] = staging[rb // 2 + col]
+            assert conflict_free(stores, 4)
+    assert (rows.reshape(16, row_len)[:, :n_in] == window.T).all()
+
+    block = np.zeros(16 * 16, np.int64)  # the output block: 16 positions of 32 bytes
+    for base in range(0, span, 16):
+        # matrix q = (a, hq): its row j is channel 8 hq + j at positions base + 8 a ..
+        row_bytes = [
+            2 * ((8 * (q & 1) + j) * row_len + base + 8 * (q >> 1))
+            for q in range(4)
+            for j in range(8)
+        ]
+        for q in range(4):
+            assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
+        words = ldmatrix_trans(row_bytes)
+        for q in range(4):
+            stores = []
+            for lane in range(32):
+                g, tg = lane >> 2, lane & 3
+                sw = 4 * ((g >> 2) & 1)
+                word = 8 * g + tg + [sw, 4 - sw, 64 + sw, 68 - sw][q]  # out_to[...]
+                stores.append(4 * word)
+                for e, (rb, col) in enumerate(words[(lane, q)]):
+                    block[2 * word + e] = rows[rb // 2 + col]
+            assert conflict_free(stores, 4)
+        loads = [16 * slot(lane >> 1, lane & 1) for lane in range(32)]
+        for phase in range(4):
+            assert conflict_free(loads[8 * phase : 8 * phase + 8], 16)
+        for lane in range(32):  # lane (i, h): channels 8 h .. of position base + i
+            i, h = lane >> 1, lane & 1
+            got = block[8 * slot(i, h) : 8 * slot(i, h) + 8]
+            assert (got == window[base + i, 8 * h : 8 * h + 8]).all()
