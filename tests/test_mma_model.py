@@ -132,6 +132,23 @@ def conflict_free(byte_addresses, width):
     return all(len(ws) == 1 for ws in words.values())
 
 
+def warp_pass(row_bytes, src, dst, element_at):
+    """One warp's move: ldmatrix.x4.trans of the 8x8 matrices of ``src`` (16-bit elements) whose
+    rows lie at ``row_bytes``, then each lane's word of matrix q stored into ``dst`` at element
+    ``element_at(lane, q)``; asserts both free of bank conflicts."""
+    for q in range(4):
+        assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
+    words = ldmatrix_trans(row_bytes)
+    for q in range(4):
+        stores = []
+        for lane in range(32):
+            at = element_at(lane, q)
+            stores.append(2 * at)
+            for e, (rb, col) in enumerate(words[(lane, q)]):
+                dst[at + e] = src[rb // 2 + col]
+        assert conflict_free(stores, 4)
+
+
 @pytest.mark.parametrize("width,span", [(9, 1024), (31, 512), (64, 512), (256, 512)])
 def test_channel_last_transposes(width, span):
     """The staged window (position-major, 16 channels a position) reaches the rows (channel-
@@ -147,44 +164,31 @@ def test_channel_last_transposes(width, span):
         for h in range(2):
             staging[8 * slot(i, h) : 8 * slot(i, h) + 8] = window[i, 8 * h : 8 * h + 8]
     rows = np.zeros(16 * row_len, np.int64)
+
+    def row_at(lane, q):  # lane (g, tg)'s element of matrix q in the rows, less the pass's base
+        return (8 * (q & 1) + (lane >> 2)) * row_len + 8 * (q >> 1) + 2 * (lane & 3)
+
+    def block_at(lane, q):  # lane (g, tg)'s element of matrix q in the output block
+        g, tg, sw = lane >> 2, lane & 3, 4 * ((lane >> 4) & 1)
+        return 2 * (8 * g + tg + [sw, 4 - sw, 64 + sw, 68 - sw][q])
+
     for base in range(0, n_in, 16):  # one warp's pass
-        # matrix q = (a, hq): its row j is position base + 8 a + j, channels 8 hq ..
+        # matrix q = (a, hq): its row j is position base + 8 a + j, channels 8 hq ..; lane
+        # (g, tg) stores positions 2 tg, 2 tg + 1 of channel 8 hq + g (in_to[...])
         row_bytes = [16 * slot(base + 8 * (q >> 1) + j, q & 1) for q in range(4) for j in range(8)]
-        for q in range(4):
-            assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
-        words = ldmatrix_trans(row_bytes)
-        for q in range(4):
-            stores = []
-            for lane in range(32):
-                g, tg = lane >> 2, lane & 3
-                at = (8 * (q & 1) + g) * row_len + base + 8 * (q >> 1) + 2 * tg  # in_to[...]
-                stores.append(2 * at)
-                for e, (rb, col) in enumerate(words[(lane, q)]):
-                    rows[at + e] = staging[rb // 2 + col]
-            assert conflict_free(stores, 4)
+        warp_pass(row_bytes, staging, rows, lambda lane, q, base=base: row_at(lane, q) + base)
     assert (rows.reshape(16, row_len)[:, :n_in] == window.T).all()
 
     block = np.zeros(16 * 16, np.int64)  # the output block: 16 positions of 32 bytes
     for base in range(0, span, 16):
-        # matrix q = (a, hq): its row j is channel 8 hq + j at positions base + 8 a ..
+        # matrix q = (a, hq): its row j is channel 8 hq + j at positions base + 8 a ..; lane
+        # (g, tg) stores channels 8 hq + 2 tg, + 1 of position 8 a + g into the block (out_to[...])
         row_bytes = [
             2 * ((8 * (q & 1) + j) * row_len + base + 8 * (q >> 1))
             for q in range(4)
             for j in range(8)
         ]
-        for q in range(4):
-            assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
-        words = ldmatrix_trans(row_bytes)
-        for q in range(4):
-            stores = []
-            for lane in range(32):
-                g, tg = lane >> 2, lane & 3
-                sw = 4 * ((g >> 2) & 1)
-                word = 8 * g + tg + [sw, 4 - sw, 64 + sw, 68 - sw][q]  # out_to[...]
-                stores.append(4 * word)
-                for e, (rb, col) in enumerate(words[(lane, q)]):
-                    block[2 * word + e] = rows[rb // 2 + col]
-            assert conflict_free(stores, 4)
+        warp_pass(row_bytes, rows, block, block_at)
         loads = [16 * slot(lane >> 1, lane & 1) for lane in range(32)]
         for phase in range(4):
             assert conflict_free(loads[8 * phase : 8 * phase + 8], 16)
