@@ -206,39 +206,54 @@ class FastCall:
     inputs'), ``guards`` (pairs of input positions (written, other) whose byte ranges must not
     meet), ``spans`` (each input's byte range relative to its address, None when absent)."""
 
-    __slots__ = ("fw", "device", "replay", "outputs", "guards", "spans", "stream")
+    __slots__ = ("fw", "device", "replay", "outputs", "checks", "stream", "like")
 
     def __init__(self, fw, device, replay, outputs, guards=(), spans=()):
         global _torch
         if fw is Torch:
             _torch = sys.modules["torch"]
-        self.fw, self.device, self.replay = fw, device, replay
-        self.outputs, self.guards, self.spans = outputs, guards, spans
+        self.fw, self.device, self.replay, self.outputs = fw, device, replay, outputs
+        # (written, other, lo, hi) of every guard on an input the signature has (an absent one
+        # stays absent under the same signature): the ranges meet where lo <= other - written
+        # <= hi (the addresses' difference)
+        self.checks = tuple(
+            (w, o, spans[w][0] - spans[o][1], spans[w][1] - spans[o][0])
+            for w, o in guards
+            if spans[o]
+        )
         self.stream = fw.stream_reader()
+        self.like = fw is Torch and outputs == (LIKE,)  # one output: torch.empty_like(x)
 
     def __call__(self, ptrs: list[int], like) -> tuple | None:
         """Launch on the inputs at ``ptrs`` (the operator's input arrays' addresses, in its
         kernels' pointer order, from ``signature``; the outputs' are appended); ``like``: the
         call's x. Returns the new outputs, or None where a guard failed (take the full
-        path)."""
-        if self.guards and not self.clear(ptrs):
-            return None
-        fw = self.fw
-        made = tuple([None if s is None else fw.empty(s, like) for s in self.outputs])
-        ptrs += fw.ptrs(made)
+        path). Written out in one frame: each call layer costs a decode step 0.2-0.3 us."""
+        for w, o, lo, hi in self.checks:  # = self.clear(ptrs)
+            if ptrs[o] and lo <= ptrs[o] - ptrs[w] <= hi:
+                return None
+        if self.like:
+            made = (_torch.empty_like(like),)
+            ptrs.append(made[0].data_ptr())
+        else:
+            made = self.made(like, ptrs)
         self.replay.run(ptrs, self.stream(self.device))
         return made
 
     def clear(self, ptrs) -> bool:
         """Whether the guards hold for the inputs at ``ptrs`` (addresses, 0 when absent)."""
-        spans = self.spans
-        for w, o in self.guards:
-            if ptrs[o]:
-                lo, hi = spans[w]
-                olo, ohi = spans[o]
-                if ptrs[w] + lo <= ptrs[o] + ohi and ptrs[o] + olo <= ptrs[w] + hi:
-                    return False
+        for w, o, lo, hi in self.checks:
+            if ptrs[o] and lo <= ptrs[o] - ptrs[w] <= hi:
+                return False
         return True
+
+    def made(self, like, ptrs: list[int]) -> tuple:
+        """The outputs, allocated (None for one the call does not make); their addresses are
+        appended to ``ptrs``."""
+        fw = self.fw
+        made = tuple([None if s is None else fw.empty(s, like) for s in self.outputs])
+        ptrs += fw.ptrs(made)
+        return made
 
 
 def span(a) -> tuple[int, int]:

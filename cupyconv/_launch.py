@@ -169,35 +169,49 @@ class Replay:
     skips on later calls is what depended only on the layout (``cupyconv/_fast.py``).
 
     The kernels take their parameters when they are launched (cuLaunchKernel copies them), so
-    one buffer serves every call; a lock keeps threads from writing it during another's launch.
+    one buffer serves every call of a thread; each thread has its own (``_Steps``).
     """
 
-    __slots__ = ("device", "steps", "fmt", "lock")
+    __slots__ = ("device", "pack", "local")
 
     def __init__(self, launches, device: int, n_pointers: int, stream_ptr: int):
         """``launches``: (Launch, ParamBlock) pairs of the call, in order."""
-        self.device, self.fmt, self.lock = device, f"<{n_pointers}q", threading.Lock()
+        self.device, self.pack = device, struct.Struct(f"<{n_pointers}q").pack_into
         _cupy or _load_cupy()  # what run() calls
-        steps = []
-        for plan, params in launches:
-            block = ParamBlock(params.values, writable=True)
-            function = loaded_kernel(plan, device, stream_ptr)
-            steps.append((function, plan.grid, *plan.block, plan.smem, block.words, block.extra))
-        self.steps = tuple(steps)
+        steps = tuple(
+            (loaded_kernel(plan, device, stream_ptr), plan.grid, *plan.block, plan.smem,
+             params.values)
+            for plan, params in launches
+        )  # fmt: skip
+        self.local = _Steps(steps)
 
     def run(self, pointers, stream_ptr: int) -> None:
         """Launch every kernel on ``stream_ptr`` with the arrays at ``pointers``."""
         if _get_device() != self.device:
             with _cupy.cuda.Device(self.device):
                 return self.run(pointers, stream_ptr)
-        fmt, offset = self.fmt, 8 * ParamBlock.HEADER
-        with self.lock:
-            for function, grid, bx, by, smem, words, extra in self.steps:
-                struct.pack_into(fmt, words, offset, *pointers)
-                try:
-                    _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
-                except _DriverError:  # a thread without a current context: _launch retries
-                    _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
+        pack = self.pack
+        for function, grid, bx, by, smem, words, extra in self.local.steps:
+            pack(words, _POINTERS_AT, *pointers)
+            try:
+                _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
+            except _DriverError:  # a thread without a current context: _launch retries
+                _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
+
+
+_POINTERS_AT = 8 * ParamBlock.HEADER  # the byte offset of the pointers in a ParamBlock's words
+
+
+class _Steps(threading.local):
+    """A Replay's launches with this thread's parameter buffers: built again, from the same
+    launches, in each thread that runs it (``threading.local`` calls ``__init__`` there)."""
+
+    def __init__(self, steps):
+        self.steps = tuple(
+            (*step, block.words, block.extra)
+            for *step, values in steps
+            for block in (ParamBlock(values, writable=True),)
+        )
 
 
 _cupy = None  # the cupy module, imported with the first launch

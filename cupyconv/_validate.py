@@ -219,7 +219,12 @@ def _layout_overlaps(shape, byte_strides, itemsize) -> bool:
 
 # ---- index values ----------------------------------------------------------------------------
 
-_debug = threading.local()
+
+class _Debug(threading.local):
+    depth = 0  # nested ``debug()`` blocks in this thread
+
+
+_debug = _Debug()
 
 
 @contextlib.contextmanager
@@ -228,7 +233,7 @@ def debug():
     arguments on GPU arrays are copied to the host and checked as on CPU arrays (each such
     call synchronises with the GPU). The environment variable CUPYCONV_DEBUG=1 (read when
     cupyconv is imported) turns it on everywhere."""
-    depth = getattr(_debug, "depth", 0)
+    depth = _debug.depth
     _debug.depth = depth + 1
     try:
         yield
@@ -240,7 +245,7 @@ DEBUG_ENV = os.environ.get("CUPYCONV_DEBUG", "") not in ("", "0")  # read once: 
 
 
 def debug_enabled() -> bool:
-    return DEBUG_ENV or getattr(_debug, "depth", 0) > 0
+    return DEBUG_ENV or _debug.depth > 0
 
 
 def index_values(a: Array | None) -> np.ndarray | None:

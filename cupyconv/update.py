@@ -66,8 +66,13 @@ def causal_conv1d_update(
             )
     key = None
     if fw is not None and (conv_state_indices is None or not v.debug_enabled()):
-        inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)
-        key = _fast.signature(fw, inputs, "update", activation, written=(conv_state,))
+        if fw is _fast.Torch:
+            key = _torch_signature(
+                x, weight, bias, conv_state, cache_seqlens, conv_state_indices, activation
+            )
+        else:
+            inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)
+            key = _fast.signature(fw, inputs, "update", activation, written=(conv_state,))
         fast = _fast.lookup(key)
         if fast is not None:
             made = fast(key[1], x)
@@ -75,6 +80,38 @@ def causal_conv1d_update(
                 return made[0]
     call = _UpdateCall(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
     return _update_gpu(call, fw, key) if call.x.on_gpu else _update_cpu(call)
+
+
+def _torch_signature(x, weight, bias, state, lens, idx, activation):
+    """``_fast.signature`` of an update on torch tensors, unrolled: a decode step's host time
+    is mostly these attribute reads, and the loop over the arrays cost as much again."""
+    try:
+        px, pw, ps = x.data_ptr(), weight.data_ptr(), state.data_ptr()
+        pb = 0 if bias is None else bias.data_ptr()
+        pl = 0 if lens is None else lens.data_ptr()
+        pi = 0 if idx is None else idx.data_ptr()
+        key = (
+            _TORCH_UPDATE, activation,
+            px & 15 | (pw & 15) << 4 | (pb & 15) << 8 | (ps & 15) << 12 | (pl & 15) << 16
+            | (pi & 15) << 20,
+            x.size(), x.stride(), x.dtype, x.device, x.is_neg(),
+            weight.size(), weight.stride(), weight.dtype, weight.device, weight.is_neg(),
+            state.size(), state.stride(), state.dtype, state.device, state.is_neg(),
+            state.requires_grad, state.is_inference(),
+            bias is None or (bias.size(), bias.stride(), bias.dtype, bias.device, bias.is_neg()),
+            lens is None or _torch_layout(lens),
+            idx is None or _torch_layout(idx),
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - an argument the lean path cannot read: the full path
+        return None
+    return key, [px, pw, pb, ps, pl, pi]
+
+
+_TORCH_UPDATE = "update, torch"  # the first item of _torch_signature's keys
+
+
+def _torch_layout(t) -> tuple:
+    return (t.size(), t.stride(), t.dtype, t.device, t.is_neg())
 
 
 class _UpdateCall:

@@ -91,3 +91,59 @@ def test_framework_by_type():
     assert _fast.framework(torch.nn.Parameter(torch.zeros(1))) is Torch
     assert _fast.framework(torch.zeros(1)) is Torch  # (the type's entry, kept)
     assert _fast.framework([1.0]) is None
+
+
+def update_sig(x, state, w, b=None, lens=None, idx=None, activation="silu"):
+    from cupyconv import update
+
+    return update._torch_signature(x, w, b, state, lens, idx, activation)
+
+
+def update_args():
+    return dict(
+        x=torch.zeros(2, 8), state=torch.zeros(2, 8, 3), w=torch.zeros(8, 4), b=torch.zeros(8)
+    )
+
+
+def test_update_signature_addresses_and_same_layout():
+    """The update's unrolled signature: the addresses in the kernel's order (x, weight, bias,
+    conv_state, cache_seqlens, conv_state_indices), one key for another set of tensors of the
+    same layouts and address bits."""
+    a, b = update_args(), update_args()
+    key, ptrs = update_sig(**a)
+    assert ptrs == [a["x"].data_ptr(), a["w"].data_ptr(), a["b"].data_ptr()] + [
+        a["state"].data_ptr(), 0, 0,
+    ]  # fmt: skip
+    assert all((p - q) % 16 == 0 for p, q in zip(ptrs, update_sig(**b)[1]))
+    assert key == update_sig(**b)[0]
+
+
+@pytest.mark.parametrize(
+    "name, other",
+    [
+        ("x", lambda a: torch.zeros(2, 8, 1)),  # shape (a 3-D token)
+        ("x", lambda a: torch.zeros(8, 2).t()),  # strides
+        ("x", lambda a: torch.zeros(2, 8, dtype=torch.float16)),  # dtype
+        ("x", lambda a: torch.zeros(2 * 8 + 1)[1:].view(2, 8)),  # address bits
+        ("w", lambda a: torch._neg_view(a)),  # a negated view
+        ("w", lambda a: torch.zeros(8, 5)),  # width
+        ("b", lambda a: None),  # absent
+        ("b", lambda a: torch.zeros(16)[::2]),  # strides
+        ("state", lambda a: torch.zeros(2, 3, 8).transpose(1, 2)),  # memory order
+        ("state", lambda a: a.clone().requires_grad_()),  # may not be written in place
+        ("lens", lambda a: torch.zeros(2, dtype=torch.int32)),  # circular mode
+        ("idx", lambda a: torch.zeros(2, dtype=torch.int64)),  # a state pool
+        ("activation", lambda a: None),
+    ],
+)
+def test_update_signature_changes_with_each_argument(name, other):
+    a = update_args()
+    b = dict(a, **{name: other(a.get(name))})
+    assert update_sig(**a)[0] != update_sig(**b)[0]
+
+
+def test_update_signature_of_unreadable_arguments_is_none():
+    import numpy as np
+
+    a = update_args()
+    assert update_sig(**dict(a, w=np.zeros((8, 4)))) is None

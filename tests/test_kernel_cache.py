@@ -101,3 +101,22 @@ def test_prelude_declares_the_tables():
     assert "    RUN = 8,\n    WARPS = 4,\n};" in text
     assert "struct P { long long a, b_c; };" in text
     assert "struct Q {};" in text
+
+
+def test_replay_parameter_buffers_are_per_thread():
+    """A Replay's parameter buffers (the arrays' addresses are written into them before each
+    launch) belong to one thread each: a thread's launch never reads another's addresses."""
+    from cupyconv import _launch
+
+    steps = ((7, 40, 128, 1, 0, (1, 2, 3)),)  # function, grid, block, smem, parameters
+    local = _launch._Steps(steps)
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(local.steps))
+    thread.start()
+    thread.join()
+    (mine,), (other,) = local.steps, theirs[0]
+    assert mine[:5] == other[:5] == steps[0][:5]
+    assert mine[5] is not other[5] and mine[6] != other[6]  # own words, own `extra` address
+    for words, extra in ((mine[5], mine[6]), (other[5], other[6])):
+        assert extra == words.ctypes.data and list(words[_launch.ParamBlock.HEADER :]) == [1, 2, 3]
+    assert local.steps[0][5] is mine[5]  # the same thread keeps its buffers

@@ -224,6 +224,45 @@ def test_update_decode_loop_matches_forward():
     assert np.array_equal(to_numpy(state), x64[:, :, -(width - 1) :])
 
 
+def test_update_lean_path_from_threads():
+    """Threads decoding at once, each on its own stream, all on the lean path (one launch
+    layout, one parameter buffer per thread): each gets its own outputs and states."""
+    import threading
+
+    import torch
+
+    rng = np.random.default_rng(21)
+    batch, dim, seqlen, width, n = 2, 64, 40, 4, 6
+    w64 = rounded(rng, (dim, width), "float32")
+    w = to_gpu(w64, "float32")
+    xs64 = [rounded(rng, (batch, dim, seqlen), "float32") for _ in range(n)]
+    results, errors = [None] * n, []
+
+    def decode(i):
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                x = to_gpu(xs64[i], "float32")
+                state = torch.zeros(batch, dim, width - 1, device="cuda")
+                outs = [
+                    cupyconv.causal_conv1d_update(x[:, :, t].contiguous(), state, w, None, "silu")
+                    for t in range(seqlen)
+                ]
+                results[i] = (torch.stack(outs, dim=2), state)
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for x64, (out, state) in zip(xs64, results):
+        assert_close(out, reference.causal_conv1d_fn(x64, w64, activation="silu"), "float32")
+        assert np.array_equal(to_numpy(state), x64[:, :, -(width - 1) :])
+
+
 def test_update_repeated_layout_takes_new_arrays():
     """The second call with the same layout (the lean path) reads the new arrays."""
     for seed in (10, 11, 12):
