@@ -151,12 +151,15 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             }
             if (together) __syncwarp();  // the pieces the other lanes staged have landed
             const Raw* const st = stage[i & 1] + lane;
-            // K steps from r0 of the tile, compiled three times: CHECKED (the group's first K-1
-            // steps, or the positions past g1 or the row: every step checked, SiLU a run-time
-            // choice) and, for the steps inside, with the activation fixed (SILU), so that the
-            // K V derivatives of the steps interleave.
-            auto steps_from = [&](int r0, auto checked_flag, auto silu_flag) {
-                constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value;
+            // K steps from r0 of the tile, compiled five times: CHECKED (the group's first K-1
+            // steps, or the positions past g1 or the row: every step checked, SiLU and the dx
+            // store run-time choices) and, for the steps inside, with the activation fixed
+            // (SILU), so that the K V derivatives of the steps interleave, and the dx store
+            // fixed (DXA: whole lane vectors; else element by element), so that the other
+            // store's instructions are not issued predicated off.
+            auto steps_from = [&](int r0, auto checked_flag, auto silu_flag, auto dxa_flag) {
+                constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value,
+                               DXA = decltype(dxa_flag)::value;
                 #pragma unroll
                 for (int u = 0; u < K; ++u) {  // step r: position g0 + r
                     const int r = i * R + r0 + u;
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         VecT res;
                         #pragma unroll
                         for (int v = 0; v < V; ++v) res.e[v] = from_acc<T>(acc[v]);
-                        if (dx_aligned) {
+                        if (CHECKED ? dx_aligned : DXA) {
                             *reinterpret_cast<Raw*>(dxp) = res.raw;
                         } else {
                             #pragma unroll
@@ -238,9 +241,11 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             #pragma unroll 1
             for (int r0 = 0; r0 < R; r0 += K) {
                 const int r = i * R + r0;
-                if (r < W || g0 + r + K > g1) steps_from(r0, Flag<true>(), Flag<false>());
-                else if (silu_act) steps_from(r0, Flag<false>(), Flag<true>());
-                else steps_from(r0, Flag<false>(), Flag<false>());
+                if (r < W || g0 + r + K > g1) steps_from(r0, Flag<true>(), Flag<false>(), Flag<false>());
+                else if (silu_act && dx_aligned) steps_from(r0, Flag<false>(), Flag<true>(), Flag<true>());
+                else if (silu_act) steps_from(r0, Flag<false>(), Flag<true>(), Flag<false>());
+                else if (dx_aligned) steps_from(r0, Flag<false>(), Flag<false>(), Flag<true>());
+                else steps_from(r0, Flag<false>(), Flag<false>(), Flag<false>());
             }
         }
         #pragma unroll
