@@ -43,6 +43,7 @@ CONSTANTS = {
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
     "BWD_MMA_WARPS": 2,  # bwd_mma: warps per block (independent)
+    "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
     "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
 }
@@ -51,9 +52,13 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general p
 # speed, from 24 on its rings spill (5-10 KB of stack a thread) and it gains 1.1-1.9 times
 # (benchmarks/NOTES.md, "The channel-last backward from width 9").
 CHANNEL_MAX_WIDTH = 16
-# bwd_mma (bfloat16 x and weights, time-contiguous x, no seq_idx) from this width on, for spans
-# of up to MMA_SPAN positions (a multiple of 256).
+# bwd_mma (bfloat16 x and weights, no seq_idx) from this width on, for spans of up to MMA_SPAN
+# positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (against
+# bwd_channel: 0.81 / 0.73 TB/s at width 12, 0.81 / 1.64 at 9), spans of up to MMA_CL_SPAN,
+# where a block's shared memory fits the device.
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
+MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
+MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
@@ -107,7 +112,7 @@ MMA = Kernel(
     "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
     (
         "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "warp_bytes",
-        "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "cd_at",
+        "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "cd_at", "stage_at",
     ),
 )  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
@@ -152,8 +157,8 @@ def _channel_name(dtype: str, width: int, seq: bool) -> str:
     return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {warps}>"
 
 
-def _mma_name(width: int) -> str:
-    return f"bwd_mma<{C_TYPES['bfloat16']}, {mma_steps(width)}>"
+def _mma_name(width: int, channel_last: bool = False) -> str:
+    return f"bwd_mma<{C_TYPES['bfloat16']}, {mma_steps(width)}, {int(channel_last)}>"
 
 
 def _time_rows(x: Array) -> bool:
@@ -168,6 +173,18 @@ def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
         and width >= MMA_MIN_WIDTH and _time_rows(x)
+    )  # fmt: skip
+
+
+def takes_mma_cl(x: Array, dout: Array, dx: Array, weight_dtype: str, width: int, has_seq):
+    """Whether bwd_mma's channel-contiguous form may serve the call (if a block fits the
+    device): bfloat16 x and weights, no seq_idx, width from MMA_CL_MIN_WIDTH to the widest
+    MMA_CL_STEPS allow, and x, dout and dx channel-contiguous in 16-byte aligned runs of 8
+    channels."""
+    return (
+        x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
+        and MMA_CL_MIN_WIDTH <= width and mma_steps(width) <= MMA_CL_STEPS
+        and x.shape[1] % 8 == 0 and all(rows_aligned(a, 1) for a in (x, dout, dx))
     )  # fmt: skip
 
 
@@ -187,6 +204,8 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
+            if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
+                found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
     return {source: sorted(names) for source, names in found.items()}
 
 
@@ -224,6 +243,10 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
         return _plan_mma(x, dout, dx, width, states, device)
+    if takes_mma_cl(x, dout, dx, weight_dtype, width, has_seq):
+        plan = _plan_mma_cl(x, width, states, device)
+        if plan is not None:
+            return plan
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
@@ -323,6 +346,42 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
         name, grid, (32 * warps, 1), smem(span),
         x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
         dx_aligned=rows_aligned(dx, 2, 4), span=span, per=per, **_mma_layout(span, steps),
+        stage_at=0,
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _mma_cl_smem(span: int, steps: int) -> int:
+    """Shared memory of a channel-contiguous bwd_mma block: its warps' areas, then the staging
+    area of an item, rows of BWD_MMA_CL_WARPS channels (32 bytes): D + span + 128 TB of x and
+    span + 128 TB of dout."""
+    d = 16 * (steps - 1)
+    dz_len = span + 128 * -(-d // 128)
+    warps = CONSTANTS["BWD_MMA_CL_WARPS"]
+    return warps * _mma_layout(span, steps)["warp_bytes"] + 2 * warps * (d + 2 * dz_len)
+
+
+def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
+    """Blocks of BWD_MMA_CL_WARPS warps (one channel each), one a SM, each a run of items
+    (spans of a group of channels); spans of MMA_CL_SPAN, halved down to 256 until a block fits
+    the device's shared memory (None where none fits)."""
+    batch, dim, seqlen = x.shape
+    steps, warps = mma_steps(width), CONSTANTS["BWD_MMA_CL_WARPS"]
+    span, limit = min(MMA_CL_SPAN, -(-seqlen // 256) * 256), shared_memory_limit(device)
+    while span > 256 and _mma_cl_smem(span, steps) > limit:
+        span = max(256, span // 512 * 256)
+    smem = _mma_cl_smem(span, steps)
+    if smem > limit:
+        return None
+    name = _mma_name(width, channel_last=True)
+    items = -(-dim // warps) * batch * -(-seqlen // span)
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
+    grid = min(resident, items, MAX_GRID)
+    per = -(-items // grid)
+    layout = _mma_layout(span, steps)
+    launch = MMA.launch(
+        name, grid, (32 * warps, 1), smem, x_aligned=True, dout_aligned=True, dx_aligned=True,
+        span=span, per=per, **layout, stage_at=warps * layout["warp_bytes"],
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 

@@ -1,11 +1,19 @@
-// bwd_mma.cu: the backward for time-contiguous bfloat16 x and weights on tensor cores.
+// bwd_mma.cu: the backward for bfloat16 x and weights on tensor cores.
 //
-//   bwd_mma<T, KS>
-//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), no seq_idx. A persistent grid of
-//       blocks of BWD_MMA_WARPS independent warps; warp w takes a run of p.per items (spans of
-//       p.span positions of a row, a multiple of 256) in channel-major order, the spans of a
-//       row last to first, and stages the next item (x and dout, cp.async) into one of its two
-//       buffers while it computes the current one. A channel's fragments are built once a run.
+//   bwd_mma<T, KS, CL>
+//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), no seq_idx.
+//       CL = 0, time-contiguous x: a persistent grid of blocks of BWD_MMA_WARPS independent
+//       warps; warp w takes a run of p.per items (spans of p.span positions of a row, a
+//       multiple of 256) in channel-major order, the spans of a row last to first, and stages
+//       the next item (x and dout, cp.async) into one of its two buffers while it computes the
+//       current one. A channel's fragments are built once a run.
+//       CL = 1, channel-contiguous x, dout and dx (16-byte aligned runs of 8 channels): blocks
+//       of BWD_MMA_CL_WARPS warps, one channel each, take runs of items of that many
+//       neighbouring channels (channel groups, then batch rows, the spans of a row last to
+//       first). The block stages an item's x and dout as rows of positions x channels (32-byte
+//       runs, cp.async into p.stage_at) while it computes the item before, moves them into the
+//       warps' rows (each warp then computes its channel's row as above), and writes dx back
+//       from the warps' rows as 16-byte runs of 8 channels.
 //
 // An item, positions t0 .. t0 + S - 1 of row (b, c), in the warp's shared memory (the plan's
 // _mma_layout):
@@ -175,13 +183,13 @@ __device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, in
 
 // The exact path of an item whose dz window has a non-finite value: z again from its own taps
 // wherever dz (hi or lo) is not finite among the n_fix positions this item computed (dout read
-// again from dr, the row at the span), dz stored back with lo = 0 where it is not finite; then dx (n_out positions, to dxr) and the item's
+// again from dr, the row at the span), dz stored back with lo = 0 where it is not finite; then dx (n_out positions, to dxr, dx_step apart) and the item's
 // dweight terms (added to dw: taps k = lane + 32 j) and dbias terms (added to db, this lane's
 // positions) from their own taps. Out of line: it is rarely called.
 template <int KS, typename P>
 __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
                                            const float* rev, float bias_c, int n_fix, int n_out, bf16* dxr,
-                                           const P& p, float* dw, float& db) {
+                                           int64 dx_step, const P& p, float* dw, float& db) {
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     const int lane = threadIdx.x & 31, width = (int)p.width;
     for (int q = lane; q < n_fix; q += 32) {
@@ -201,7 +209,7 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
     for (int o = lane; o < n_out; o += 32) {
         float a = 0.f;
         for (int j = 0; j < width; ++j) a += rev[PAD + j] * dz_of(dzh, dzl, o + j);
-        dxr[o * p.dx_l_stride] = __float2bfloat16_rn(a);
+        dxr[o * dx_step] = __float2bfloat16_rn(a);
         db += dz_of(dzh, dzl, o);
     }
     #pragma unroll
@@ -216,18 +224,20 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
     __syncwarp();
 }
 
-template <typename T, int KS>
-__global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
+template <typename T, int KS, int CL>
+__global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARPS, CL ? 1 : 16 / BWD_MMA_WARPS)
+    bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     constexpr int LP = mma_lags(KS), HOLD = KS <= BWD_MMA_LAGS;  // HOLD: C_d kept over items
     constexpr int TB = (D + 127) / 128;  // blocks of dz past the span a run's first item computes
+    constexpr int CW = BWD_MMA_CL_WARPS;  // CL: channels a block (one a warp)
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
     const int width = (int)p.width, S = (int)p.span, DL = S + 128 * TB;
     const bool x_aligned = p.x_aligned != 0, dout_aligned = p.dout_aligned != 0, dx_aligned = p.dx_aligned != 0;
-    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, warp = threadIdx.x >> 5;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* const mine = smem_raw + (threadIdx.x >> 5) * p.warp_bytes;
+    unsigned char* const mine = smem_raw + warp * p.warp_bytes;
     // Buffer b: x at t0 - D .. and, right after it, dout at t0 .. (then dz's high half in its
     // place); buffer 0 also holds the TB blocks past the span a run's first item needs.
     T* const x0 = reinterpret_cast<T*>(mine), *const x1 = reinterpret_cast<T*>(mine + p.x1_at);
@@ -238,15 +248,19 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
     float* const pad = reinterpret_cast<float*>(mine + p.pad_at);  // SIZE: the taps, z's band
     float* const rev = pad + ToeplitzTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
     float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // KS x 256: the C_d (not HOLD)
+    // CL: the block's staging area, D + DL rows of x then DL rows of dout, CW channels a row
+    uint4* const stage_x = reinterpret_cast<uint4*>(smem_raw + p.stage_at);
+    uint4* const stage_dout = stage_x + 2 * (D + DL);
     for (int i = lane; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
     if constexpr (!HOLD) {
         for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
     }
 
     // Items: spans sp of rows (c, b), channel-major, the spans of a row last to first, so that
-    // an item's dz past its span (the next span's first D) is the one before's first D.
-    const int64 spans = (seqlen + S - 1) / S, n_items = dim * batch * spans;
-    const int64 first = grid_warp() * p.per, end = min(first + p.per, n_items);
+    // an item's dz past its span (the next span's first D) is the one before's first D. CL: c
+    // is a group of CW channels, the warp's channel CW c + warp.
+    const int64 spans = (seqlen + S - 1) / S, n_items = (CL ? (dim + CW - 1) / CW : dim) * batch * spans;
+    const int64 first = (CL ? (int64)blockIdx.x : grid_warp()) * p.per, end = min(first + p.per, n_items);
     if (first >= end) return;
     struct Item {
         int64 c, b, sp;
@@ -263,15 +277,45 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
         divmod(cb, batch, item.c, item.b);
         item.sp = spans - 1 - r;
     }
-    // Stages item `it` into buffer `buf`: x from D before the span, dout from the span, each
-    // over the span and, when `tail`, TB more blocks.
+    auto channel_of = [&](const Item& it) { return CL ? CW * it.c + warp : it.c; };
+    // Stages item `it` into buffer `buf` (CL: into the block's staging area): x from D before
+    // the span, dout from the span, each over the span and, when `tail`, TB more blocks.
     auto stage = [&](const Item& it, int buf, bool tail) {
         const int64 t0 = it.sp * S;
+        const int x_rows = D + S + (tail ? 128 * TB : 0), dout_rows = S + (tail ? 128 * TB : 0);
+        if constexpr (CL) {  // 16-byte runs of 8 channels: two a row, zeros past the channels
+            const T* const xb = x + it.b * p.x_batch_stride;
+            const T* const gb = dout + it.b * p.dout_batch_stride;
+            for (int v = threadIdx.x; v < 2 * (x_rows + dout_rows); v += 32 * CW) {
+                const bool is_x = v < 2 * x_rows;
+                const int row = (is_x ? v : v - 2 * x_rows) >> 1;
+                const int64 c0 = CW * it.c + 8 * (v & 1), pos = is_x ? t0 - D + row : t0 + row;
+                uint4* const dst = (is_x ? stage_x : stage_dout) + 2 * row + (v & 1);
+                const bool in = c0 < dim && pos < seqlen;
+                if (in && pos >= 0) {
+                    const T* const src = is_x ? xb + pos * p.x_l_stride + c0 : gb + pos * p.dout_l_stride + c0;
+                    cp_async<16>(dst, src, 16);
+                } else if (!in || !is_x || pos < -(width - 1) || !initial_states) {
+                    *dst = make_uint4(0, 0, 0, 0);
+                } else {  // x before the row: initial_states
+                    unsigned w[4];
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float lo = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e, pos);
+                        const float hi = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e + 1, pos);
+                        w[e] = pack2<bf16>(lo, hi);
+                    }
+                    *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                }
+            }
+            cp_async_commit();
+            return;
+        }
         T* const xs = buf ? x1 : x0;
         T* const ds = buf ? dout1 : dout0;
         const T* const xr = x + it.b * p.x_batch_stride + it.c * p.x_c_stride;
         const T* const dr = dout + it.b * p.dout_batch_stride + it.c * p.dout_c_stride;
-        const int xv = (D + S + (tail ? 128 * TB : 0)) / 8, dv = (S + (tail ? 128 * TB : 0)) / 8;
+        const int xv = x_rows / 8, dv = dout_rows / 8;
         if (x_aligned && dout_aligned && t0 >= D && t0 + 8 * dv <= seqlen) {  // inside the row
             const uint4* src = reinterpret_cast<const uint4*>(xr + t0 - D) + lane;
             unsigned dst = smem_address(xs) + 16 * lane;
@@ -307,6 +351,22 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
         }
         cp_async_commit();
     };
+    // CL: the staged rows into buffer `buf` of the warps (warp 8 h + e takes element e of the
+    // run of row r at h), x_rows of x and dout_rows of dout.
+    auto unstage = [&](int buf, int x_rows, int dout_rows) {
+        for (int v = threadIdx.x; v < 2 * (x_rows + dout_rows); v += 32 * CW) {
+            const bool is_x = v < 2 * x_rows;
+            const int row = (is_x ? v : v - 2 * x_rows) >> 1, h = v & 1;
+            const uint4 run = (is_x ? stage_x : stage_dout)[2 * row + h];
+            const unsigned w[4] = {run.x, run.y, run.z, run.w};
+            const size_t at = is_x ? (buf ? p.x1_at : 0) : (buf ? p.dout1_at : p.dout_at);
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                unsigned short* const r = reinterpret_cast<unsigned short*>(smem_raw + (8 * h + e) * p.warp_bytes + at);
+                r[row] = (unsigned short)(w[e >> 1] >> (16 * (e & 1)));
+            }
+        }
+    };
 
     Item cur = item, nxt = item;
     const bool first_tail = cur.sp < spans - 1;  // the run starts inside a row: its dz past the span
@@ -319,191 +379,223 @@ __global__ void __launch_bounds__(32 * BWD_MMA_WARPS, 16 / BWD_MMA_WARPS) bwd_mm
     for (int64 i = first; i < end; ++i) {
         const int buf = (int)((i - first) & 1);
         const bool tail = i == first && first_tail;  // dz past the span computed here
-        if (i + 1 < end) {
-            nxt.next(batch, spans);
+        if (i + 1 < end) nxt.next(batch, spans);
+        if constexpr (CL) {
+            cp_async_wait<0>();
+            __syncthreads();  // the item's staged rows are in; the warps' rows are free
+            unstage(buf, D + S + (tail ? 128 * TB : 0), S + (tail ? 128 * TB : 0));
+            __syncthreads();  // the staging area is free
+            if (i + 1 < end) stage(nxt, 0, false);
+        } else if (i + 1 < end) {
             stage(nxt, buf ^ 1, false);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
-        const int64 t0 = cur.sp * S;
+        const int64 t0 = cur.sp * S, c = channel_of(cur);
         const bool last_span = cur.sp == spans - 1;
         const int lim = (int)min(seqlen - t0, (int64)DL);  // positions of the row in the dz window
         const int n_out = min(lim, S);
         const T* const xs = buf ? x1 : x0;
         T* const dzh = buf ? dout1 : dout0;  // dout until step 1 turns it into dz's high half
-        if (cur.c != channel) {  // the channel's taps and fragments
-            channel = cur.c;
-            __syncwarp();
-            #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                const int k = lane + 32 * j;
-                if (k < width) {
-                    const float w = load_as<float>(weight, (int)p.weight_dtype,
-                                                   cur.c * p.weight_c_stride + k * p.weight_width_stride);
-                    pad[PAD + k] = w;
-                    rev[PAD + width - 1 - k] = w;
-                }
-            }
-            bias_c = bias ? load_as<float>(bias, (int)p.bias_dtype, cur.c * p.bias_stride) : 0.f;
-            __syncwarp();
-            build_fragments<KS>(pad, D - width + 1, zf);
-            build_fragments<KS>(rev, 0, xf);
-        }
-        if (last_span) {  // dz past the row: 0
-            for (int q = S + lane; q < S + D; q += 32) dzh[q] = dzl[q] = T();
-        }
-        __syncwarp();  // the item's stage, the fragments and the carried dz are in
-
-        // 1. dz at 0 .. S - 1 (and the TB blocks past the span for a run's first item): z from
-        // the tensor cores (also without the activation: a non-finite z means a non-finite x,
-        // weight or bias), dz = dout silu'(z) split into hi and lo (0 past the row, where dout
-        // is staged as 0), and the span's dbias terms.
-        bool nonfinite = carried_nonfinite;
-        // this lane's dbias terms of the span, and the sum of its dz past the span: either is
-        // non-finite when a dz is (or a finite dz bfloat16 cannot hold: its sum overflows too)
-        float item_db = 0.f, past = 0.f;
-        auto dz_blocks = [&](int blk, auto j_count, auto silu_flag, auto span_flag) {
-            constexpr int J = decltype(j_count)::value;
-            constexpr bool SILU = decltype(silu_flag)::value, SPAN = decltype(span_flag)::value;
-            float acc[J][4];
-            #pragma unroll
-            for (int j = 0; j < J; ++j) {
+        // CL: dx goes to the other buffer's x row (free until the next item's rows come in)
+        T* const dxr = CL ? (buf ? x0 : x1) : dx + cur.b * p.dx_batch_stride + c * p.dx_c_stride + t0 * p.dx_l_stride;
+        const int64 dx_step = CL ? 1 : p.dx_l_stride;
+        if (c < dim) {  // (CL: the block's last group can have fewer channels)
+            if (c != channel) {  // the channel's taps and fragments
+                channel = c;
+                __syncwarp();
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) acc[j][r] = bias_c;
-            }
-            toeplitz<KS, J>(acc, zf, xs + 128 * blk);
-            #pragma unroll
-            for (int j = 0; j < J; ++j) {
-                if constexpr (!SILU) past += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);  // z
-                // c0, c2: positions q, q + 1 (q = p0 + 16 h: c1, c3 for h = 1)
-                const int p0 = 128 * (blk + j) + 32 * tg + 2 * g;
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int q = p0 + 16 * h;
-                    const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
-                    float g0 = low_half(d2), g1 = high_half(d2);
-                    if constexpr (SILU) {
-                        g0 *= silu_grad(acc[j][h]);
-                        g1 *= silu_grad(acc[j][2 + h]);
+                for (int j = 0; j < N; ++j) {
+                    const int k = lane + 32 * j;
+                    if (k < width) {
+                        const float w = load_as<float>(weight, (int)p.weight_dtype,
+                                                       c * p.weight_c_stride + k * p.weight_width_stride);
+                        pad[PAD + k] = w;
+                        rev[PAD + width - 1 - k] = w;
                     }
-                    if constexpr (SPAN) item_db += g0 + g1;
-                    else past += g0 + g1;
-                    const unsigned hi = bf16x2_bits(g0, g1);
-                    reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
-                    reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
                 }
+                bias_c = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+                __syncwarp();
+                build_fragments<KS>(pad, D - width + 1, zf);
+                build_fragments<KS>(rev, 0, xf);
             }
-        };
-        auto all_dz = [&](auto silu_flag) {
-            #pragma unroll 1
-            for (int blk = 0; blk < S / 128; blk += 2) dz_blocks(blk, Count<2>(), silu_flag, Flag<true>());
-            if (tail) {
-                #pragma unroll 1
-                for (int blk = S / 128; blk < S / 128 + TB; ++blk) dz_blocks(blk, Count<1>(), silu_flag, Flag<false>());
+            if (last_span) {  // dz past the row: 0
+                for (int q = S + lane; q < S + D; q += 32) dzh[q] = dzl[q] = T();
             }
-        };
-        if (p.silu_act) all_dz(Flag<true>());
-        else all_dz(Flag<false>());
-        nonfinite = __any_sync(0xffffffffu, nonfinite || !isfinite(item_db + past));
-        __syncwarp();
+            __syncwarp();  // the item's stage, the fragments and the carried dz are in
 
-        T* const dxr = dx + cur.b * p.dx_batch_stride + cur.c * p.dx_c_stride + t0 * p.dx_l_stride;
-        if (nonfinite) {
-            const int n_fix = min(lim, tail ? DL : S);
-            const T* const dr = dout + cur.b * p.dout_batch_stride + cur.c * p.dout_c_stride + t0 * p.dout_l_stride;
-            bwd_mma_exact<KS>(xs, dr, dzh, dzl, pad, rev, bias_c, n_fix, n_out, dxr, p, dw, db);
-        } else {
-            db += item_db;
-            // 2. dx at 0 .. n_out - 1: pairs of positions, stored whole where the span is in
-            // the row and dx's rows are aligned, else one by one.
-            auto dx_blocks = [&](auto whole_flag) {
-                constexpr bool WHOLE = decltype(whole_flag)::value;
-                const int lane_at = 32 * tg + 2 * g;  // + 128 block + 16 h
-                unsigned* const pairs = reinterpret_cast<unsigned*>(dxr + lane_at);
-                #pragma unroll 1
-                for (int blk = 0; blk < S / 128; blk += 2) {
-                    float acc[2][4] = {}, acc_lo[2][4] = {};  // two chains a block: hi and lo
-                    toeplitz<KS, 2>(acc, xf, dzh + 128 * blk);
-                    toeplitz<KS, 2>(acc_lo, xf, dzl + 128 * blk);
+            // 1. dz at 0 .. S - 1 (and the TB blocks past the span for a run's first item): z
+            // from the tensor cores (also without the activation: a non-finite z means a
+            // non-finite x, weight or bias), dz = dout silu'(z) split into hi and lo (0 past the
+            // row, where dout is staged as 0), and the span's dbias terms.
+            bool nonfinite = carried_nonfinite;
+            // this lane's dbias terms of the span, and the sum of its dz past the span: either
+            // is non-finite when a dz is (or a finite dz bfloat16 cannot hold: its sum
+            // overflows too)
+            float item_db = 0.f, past = 0.f;
+            auto dz_blocks = [&](int blk, auto j_count, auto silu_flag, auto span_flag) {
+                constexpr int J = decltype(j_count)::value;
+                constexpr bool SILU = decltype(silu_flag)::value, SPAN = decltype(span_flag)::value;
+                float acc[J][4];
+                #pragma unroll
+                for (int j = 0; j < J; ++j) {
                     #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const float a0 = acc[j][h] + acc_lo[j][h], a1 = acc[j][2 + h] + acc_lo[j][2 + h];
-                            if constexpr (WHOLE) {
-                                pairs[64 * (blk + j) + 8 * h] = bf16x2_bits(a0, a1);
-                            } else {
-                                const int q = 128 * (blk + j) + lane_at + 16 * h;
-                                if (q < n_out) dxr[q * p.dx_l_stride] = from_acc<T>(a0);
-                                if (q + 1 < n_out) dxr[(q + 1) * p.dx_l_stride] = from_acc<T>(a1);
-                            }
+                    for (int r = 0; r < 4; ++r) acc[j][r] = bias_c;
+                }
+                toeplitz<KS, J>(acc, zf, xs + 128 * blk);
+                #pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    if constexpr (!SILU) past += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);  // z
+                    // c0, c2: positions q, q + 1 (q = p0 + 16 h: c1, c3 for h = 1)
+                    const int p0 = 128 * (blk + j) + 32 * tg + 2 * g;
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int q = p0 + 16 * h;
+                        const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
+                        float g0 = low_half(d2), g1 = high_half(d2);
+                        if constexpr (SILU) {
+                            g0 *= silu_grad(acc[j][h]);
+                            g1 *= silu_grad(acc[j][2 + h]);
                         }
+                        if constexpr (SPAN) item_db += g0 + g1;
+                        else past += g0 + g1;
+                        const unsigned hi = bf16x2_bits(g0, g1);
+                        reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
+                        reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
                     }
                 }
             };
-            if (dx_aligned && n_out == S) dx_blocks(Flag<true>());
-            else dx_blocks(Flag<false>());
-            // 3. the dweight terms: the C_d over the span (kept over the channel's items, or a
-            // pass of LP lags at a time summed up now).
-            if constexpr (HOLD) {
-                lag_products<KS, LP>(cacc, 0, S, xs, dzh, dzl);
+            auto all_dz = [&](auto silu_flag) {
+                #pragma unroll 1
+                for (int blk = 0; blk < S / 128; blk += 2) dz_blocks(blk, Count<2>(), silu_flag, Flag<true>());
+                if (tail) {
+                    #pragma unroll 1
+                    for (int blk = S / 128; blk < S / 128 + TB; ++blk) dz_blocks(blk, Count<1>(), silu_flag, Flag<false>());
+                }
+            };
+            if (p.silu_act) all_dz(Flag<true>());
+            else all_dz(Flag<false>());
+            nonfinite = __any_sync(0xffffffffu, nonfinite || !isfinite(item_db + past));
+            __syncwarp();
+
+            if (nonfinite) {
+                const int n_fix = min(lim, tail ? DL : S);
+                const T* const dr = dout + cur.b * p.dout_batch_stride + c * p.dout_c_stride + t0 * p.dout_l_stride;
+                bwd_mma_exact<KS>(xs, dr, dzh, dzl, pad, rev, bias_c, n_fix, n_out, dxr, dx_step, p, dw, db);
             } else {
-                #pragma unroll 1
-                for (int d0 = 0; d0 < KS; d0 += LP) {
-                    float pass[LP][2][4] = {};
-                    lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
-                    #pragma unroll
-                    for (int l = 0; l < LP; ++l)
-                        if (d0 + l < KS) add_lag(cd + 256 * (d0 + l), pass[l]);
-                }
-            }
-        }
-        carried_nonfinite = nonfinite;
-        __syncwarp();  // dz's readers are done
-        // dz at 0 .. D - 1 is the next item's dz past its span (when it is the span before; the
-        // next item's buffer holds dout at 0 .. S - 1 only).
-        T* const next_dzh = buf ? dout0 : dout1;
-        for (int q = lane; q < D; q += 32) {
-            next_dzh[S + q] = dzh[q];
-            dzl[S + q] = dzl[q];
-        }
-        // The item's part of the partials: the channel's sums so far at its last item in the
-        // run, zeros before (a call of a single part has one item a channel).
-        const bool flush = i + 1 == end || nxt.c != cur.c;
-        const int64 part = cur.b * spans + cur.sp;
-        if (flush) {
-            if constexpr (!HOLD) {
-                __syncwarp();
-                #pragma unroll 1
-                for (int d = 0; d < KS; ++d) add_diagonals<KS>(cd + 256 * d, d, width, dw);
-                __syncwarp();
-                for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
-            } else {  // a lag at a time through the item's buffer, done with now
-                float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
-                #pragma unroll
-                for (int l = 0; l < LP; ++l) {
-                    dump_lag(lag_at, cacc[l]);
-                    __syncwarp();
-                    add_diagonals<KS>(lag_at, l, width, dw);
-                    __syncwarp();
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h)
+                db += item_db;
+                // 2. dx at 0 .. n_out - 1: pairs of positions, stored whole where the span is in
+                // the row and dx's rows are aligned (CL: into the warp's row, always), else one
+                // by one.
+                auto dx_blocks = [&](auto whole_flag) {
+                    constexpr bool WHOLE = decltype(whole_flag)::value;
+                    const int lane_at = 32 * tg + 2 * g;  // + 128 block + 16 h
+                    unsigned* const pairs = reinterpret_cast<unsigned*>(dxr + lane_at);
+                    #pragma unroll 1
+                    for (int blk = 0; blk < S / 128; blk += 2) {
+                        float acc[2][4] = {}, acc_lo[2][4] = {};  // two chains a block: hi and lo
+                        toeplitz<KS, 2>(acc, xf, dzh + 128 * blk);
+                        toeplitz<KS, 2>(acc_lo, xf, dzl + 128 * blk);
                         #pragma unroll
-                        for (int r = 0; r < 4; ++r) cacc[l][h][r] = 0.f;
+                        for (int j = 0; j < 2; ++j) {
+                            #pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float a0 = acc[j][h] + acc_lo[j][h], a1 = acc[j][2 + h] + acc_lo[j][2 + h];
+                                if constexpr (WHOLE) {
+                                    pairs[64 * (blk + j) + 8 * h] = bf16x2_bits(a0, a1);
+                                } else {
+                                    const int q = 128 * (blk + j) + lane_at + 16 * h;
+                                    if (q < n_out) dxr[q * p.dx_l_stride] = from_acc<T>(a0);
+                                    if (q + 1 < n_out) dxr[(q + 1) * p.dx_l_stride] = from_acc<T>(a1);
+                                }
+                            }
+                        }
+                    }
+                };
+                if (CL || (dx_aligned && n_out == S)) dx_blocks(Flag<true>());
+                else dx_blocks(Flag<false>());
+                // 3. the dweight terms: the C_d over the span (kept over the channel's items,
+                // or a pass of LP lags at a time summed up now).
+                if constexpr (HOLD) {
+                    lag_products<KS, LP>(cacc, 0, S, xs, dzh, dzl);
+                } else {
+                    #pragma unroll 1
+                    for (int d0 = 0; d0 < KS; d0 += LP) {
+                        float pass[LP][2][4] = {};
+                        lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
+                        #pragma unroll
+                        for (int l = 0; l < LP; ++l)
+                            if (d0 + l < KS) add_lag(cd + 256 * (d0 + l), pass[l]);
+                    }
                 }
             }
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-            #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, cur.c, lane + 32 * j, dw[j]);
-                dw[j] = 0.f;
+            carried_nonfinite = nonfinite;
+            __syncwarp();  // dz's readers are done
+            // dz at 0 .. D - 1 is the next item's dz past its span (when it is the span before;
+            // the next item's buffer holds dout at 0 .. S - 1 only).
+            T* const next_dzh = buf ? dout0 : dout1;
+            for (int q = lane; q < D; q += 32) {
+                next_dzh[S + q] = dzh[q];
+                dzl[S + q] = dzl[q];
             }
-            if (lane == 0) write_sum(partials, dweight, dbias, p, part, cur.c, width, db);
-            db = 0.f;
-        } else {
-            for (int k = lane; k <= width; k += 32) partials[(part * dim + cur.c) * (width + 1) + k] = 0.f;
+            // The item's part of the partials: the channel's sums so far at its last item in the
+            // run, zeros before (a call of a single part has one item a channel).
+            const bool flush = i + 1 == end || nxt.c != cur.c;
+            const int64 part = cur.b * spans + cur.sp;
+            if (flush) {
+                if constexpr (!HOLD) {
+                    __syncwarp();
+                    #pragma unroll 1
+                    for (int d = 0; d < KS; ++d) add_diagonals<KS>(cd + 256 * d, d, width, dw);
+                    __syncwarp();
+                    for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
+                } else {  // a lag at a time through the item's x buffer, done with now
+                    float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
+                    #pragma unroll
+                    for (int l = 0; l < LP; ++l) {
+                        dump_lag(lag_at, cacc[l]);
+                        __syncwarp();
+                        add_diagonals<KS>(lag_at, l, width, dw);
+                        __syncwarp();
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            #pragma unroll
+                            for (int r = 0; r < 4; ++r) cacc[l][h][r] = 0.f;
+                    }
+                }
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+                #pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, c, lane + 32 * j, dw[j]);
+                    dw[j] = 0.f;
+                }
+                if (lane == 0) write_sum(partials, dweight, dbias, p, part, c, width, db);
+                db = 0.f;
+            } else {
+                for (int k = lane; k <= width; k += 32) partials[(part * dim + c) * (width + 1) + k] = 0.f;
+            }
+        }
+        if constexpr (CL) {  // dx from the warps' rows, 16-byte runs of 8 channels
+            __syncthreads();
+            T* const dxb = dx + cur.b * p.dx_batch_stride + t0 * p.dx_l_stride;
+            for (int v = threadIdx.x; v < 2 * n_out; v += 32 * CW) {
+                const int q = v >> 1, h = v & 1;
+                const int64 c0 = CW * cur.c + 8 * h;
+                if (c0 >= dim) continue;
+                const size_t at = buf ? 0 : p.x1_at;  // the other buffer's x row
+                unsigned w[4];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned short* const r0 =
+                        reinterpret_cast<const unsigned short*>(smem_raw + (8 * h + 2 * e) * p.warp_bytes + at);
+                    const unsigned short* const r1 =
+                        reinterpret_cast<const unsigned short*>(smem_raw + (8 * h + 2 * e + 1) * p.warp_bytes + at);
+                    w[e] = (unsigned)r0[q] | (unsigned)r1[q] << 16;
+                }
+                *reinterpret_cast<uint4*>(dxb + q * p.dx_l_stride + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
         }
         cur = nxt;
         __syncwarp();  // the buffer's readers are done before it is staged again

@@ -251,6 +251,67 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
                 assert f["x_aligned"] == (ptr % 16 == 0 and seqlen % 8 == 0), where
 
 
+@pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
+def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
+    """Channel-contiguous bfloat16 x, widths MMA_CL_MIN_WIDTH to 65 x row lengths: bwd_mma's
+    channel-last form where a block of BWD_MMA_CL_WARPS warps and its staging area fit the
+    opt-in limit (the staging area after the warps' areas, 16-byte aligned), spans a multiple of
+    256, runs covering every item of 16 channels; else bwd_channel or the general path."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
+    warps = _backward_plan.CONSTANTS["BWD_MMA_CL_WARPS"]
+    taken = set()
+    for seqlen in (1, 300, 700, 5000):
+        for width in range(_backward_plan.MMA_CL_MIN_WIDTH, 66):
+            x = bf16_rows(2, 40, seqlen, strides=(40 * seqlen, 1, 40))
+            plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
+            main = plan.launches[0]
+            if not main.name.startswith("bwd_mma"):
+                narrow = width <= _backward_plan.CHANNEL_MAX_WIDTH
+                assert main.name.startswith("bwd_channel" if narrow else "bwd_dz"), main.name
+                continue
+            steps = _launch.mma_steps(width)
+            taken.add(steps)
+            assert main.name == f"bwd_mma<__nv_bfloat16, {steps}, 1>" and main.block == (512, 1)
+            f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
+            where = f"L={seqlen} width {width}: {f}"
+            d, tb = 16 * (steps - 1), -(-16 * (steps - 1) // 128)
+            staged = 32 * ((d + f["span"] + 128 * tb) + (f["span"] + 128 * tb))
+            assert f["stage_at"] == warps * f["warp_bytes"] and f["stage_at"] % 16 == 0, where
+            assert main.smem == f["stage_at"] + staged <= limit, where
+            assert f["span"] % 256 == 0 and f["span"] <= _backward_plan.MMA_CL_SPAN, where
+            items = -(-40 // warps) * 2 * -(-seqlen // f["span"])
+            assert 1 <= main.grid <= 132 and main.grid * f["per"] >= items, where
+            assert plan.n_parts == 2 * -(-seqlen // f["span"]), where
+    fits = {232448: {2, 3, 4, 5}, 166912: {2, 3, 4}, 101376: set()}  # k-steps, by device
+    assert taken == fits[limit]
+
+
+def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypatch):
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
+
+    def main(x, dout=None, width=31, seq=False, weight="bfloat16"):
+        d = dout or x
+        return _backward_plan.plan_backward(x, d, x, width, seq, False, weight, 0).launches[0].name
+
+    def cl(c=64, ptr=1 << 40, row=None):
+        return bf16_rows(2, c, 300, strides=(c * 300, 1, row or c), ptr=ptr)
+
+    assert main(cl()).startswith("bwd_mma") and main(cl(row=192)).startswith("bwd_mma")
+    assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH).startswith("bwd_mma")
+    assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH - 1).startswith("bwd_channel")
+    assert main(cl(), width=66).startswith("bwd_dz")  # more k-steps than MMA_CL_STEPS
+    assert main(cl(c=60)).startswith("bwd_dz")  # channels not in runs of 8
+    assert main(cl(ptr=(1 << 40) + 2)).startswith("bwd_dz")  # runs not 16-byte aligned
+    assert main(cl(row=68)).startswith("bwd_dz")  # rows not 16-byte aligned
+    assert main(cl(), dout=bf16_rows(2, 64, 300)).startswith("bwd_dz")  # dout time-contiguous
+    assert main(cl(), seq=True).startswith("bwd_dz")
+    assert main(cl(), weight="float32").startswith("bwd_dz")
+
+
 def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)

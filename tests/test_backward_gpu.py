@@ -190,6 +190,7 @@ def tensor_cores(monkeypatch):
     from cupyconv import _backward_plan, _fast
 
     monkeypatch.setattr(_backward_plan, "MMA_MIN_WIDTH", 2)
+    monkeypatch.setattr(_backward_plan, "MMA_CL_MIN_WIDTH", 2)
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     yield
@@ -204,22 +205,37 @@ def test_tensor_core_widths(tensor_cores, width, layout):
     run_bwd(2, 37, 1500, width, "bfloat16", layout=layout, seed=width)
 
 
+CL_MMA_WIDTHS = (2, 4, 5, 8, 9, 16, 17, 18, 31, 33, 49, 64, 65)
+
+
+@pytest.mark.parametrize("width", CL_MMA_WIDTHS)
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+def test_tensor_core_channel_last_widths(tensor_cores, width, layout):
+    """Channel-contiguous x: groups of 16 channels (the last one of 8), spans of 512 and a
+    partial one, runs starting inside a row."""
+    run_bwd(2, 40, 1300, width, "bfloat16", layout=layout, seed=width)
+
+
 @pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
-@pytest.mark.parametrize("width", (2, 5, 16, 64, 256))
-def test_tensor_core_features(tensor_cores, features, width):
+@pytest.mark.parametrize(
+    "layout,width",
+    [("cf", 2), ("cf", 5), ("cf", 16), ("cf", 64), ("cf", 256), ("cl", 5), ("cl", 33), ("cl", 64)],
+)
+def test_tensor_core_features(tensor_cores, features, layout, width):
     f = set(features.split("-"))
     run_bwd(
-        3, 20, 700, width, "bfloat16", bias="nobias" not in f, silu="nosilu" not in f,
-        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
-        buffers="buffers" in f, seed=width,
+        3, 24 if layout == "cl" else 20, 700, width, "bfloat16", layout=layout,
+        bias="nobias" not in f, silu="nosilu" not in f, init=bool(f & {"init", "buffers"}),
+        dfinal=bool(f & {"dfinal", "buffers"}), buffers="buffers" in f, seed=width,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 700, 1024, 1025, 2100))
-@pytest.mark.parametrize("width", (8, 40))
-def test_tensor_core_row_lengths(tensor_cores, seqlen, width):
+@pytest.mark.parametrize("layout,width", [("cf", 8), ("cf", 40), ("cl", 40)])
+def test_tensor_core_row_lengths(tensor_cores, seqlen, layout, width):
     """Rows shorter than the width, spans cut by the row's end, L < K - 1 with states."""
-    run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
+    dim = 16 if layout == "cl" else 9
+    run_bwd(2, dim, seqlen, width, "bfloat16", layout=layout, init=True, dfinal=True, seed=seqlen)
 
 
 @pytest.mark.parametrize("width", (4, 64))
@@ -228,19 +244,19 @@ def test_tensor_core_single_part(tensor_cores, width):
     run_bwd(1, 20, 700, width, "bfloat16", buffers=True, init=True, seed=width)
 
 
-@pytest.mark.parametrize("width", (16, 64, 200))
-def test_tensor_core_repeatable(tensor_cores, width):
+@pytest.mark.parametrize("layout,width", [("cf", 16), ("cf", 64), ("cf", 200), ("cl", 64)])
+def test_tensor_core_repeatable(tensor_cores, layout, width):
     """Every output bitwise the same over repeated runs: runs of spans and channels of many
     warps (the dweight products summed in a fixed order)."""
     import torch
 
     rng = np.random.default_rng(width)
-    shape = (3, 300, 2100)
-    x = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16")
-    g = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16")
-    w = to_gpu(rounded(rng, (300, width), "bfloat16", scale=width**-0.5), "bfloat16")
-    b = to_gpu(rounded(rng, (300,), "bfloat16"), "bfloat16")
-    init = to_gpu(rounded(rng, (3, 300, width - 1), "bfloat16"), "bfloat16")
+    shape = (3, 304, 2100)
+    x = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16", layout)
+    g = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16", layout)
+    w = to_gpu(rounded(rng, (304, width), "bfloat16", scale=width**-0.5), "bfloat16")
+    b = to_gpu(rounded(rng, (304,), "bfloat16"), "bfloat16")
+    init = to_gpu(rounded(rng, (3, 304, width - 1), "bfloat16"), "bfloat16")
 
     def run():
         return cupyconv.causal_conv1d_bwd(
@@ -253,22 +269,22 @@ def test_tensor_core_repeatable(tensor_cores, width):
 
 
 @pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
-@pytest.mark.parametrize("width", (8, 33, 256), ids=lambda k: f"width{k}")
-def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, width, silu):
+@pytest.mark.parametrize("layout,width", [("cf", 8), ("cf", 33), ("cf", 256), ("cl", 33)])
+def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layout, width, silu):
     """inf and NaN in x and dout: the tensor cores' zero band entries must not carry them to a
     dx or a dweight whose own terms do not include them."""
     rng = np.random.default_rng(width)
-    shape = (2, 6, 2500)  # batch x seqlen = 5000 terms a reduction
+    shape = (2, 8 if layout == "cl" else 6, 2500)  # batch x seqlen = 5000 terms a reduction
     x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
     x64[0, 1, 700] = np.inf
     x64[1, 2, 1500:1503] = np.nan
     x64[1, 4, 2499] = -np.inf  # the row's last position: reaches no dz
     g64[0, 3, 40] = -np.inf
     g64[1, 5, 1030] = np.nan
-    w64 = rounded(rng, (6, width), "bfloat16", scale=width**-0.5)
-    b64 = rounded(rng, (6,), "bfloat16")
+    w64 = rounded(rng, (shape[1], width), "bfloat16", scale=width**-0.5)
+    b64 = rounded(rng, (shape[1],), "bfloat16")
     act = "silu" if silu else None
-    x, g = to_gpu(x64, "bfloat16"), to_gpu(g64, "bfloat16")
+    x, g = to_gpu(x64, "bfloat16", layout), to_gpu(g64, "bfloat16", layout)
     w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
     got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
     want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
