@@ -61,6 +61,15 @@ __device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
     return r;
 }
 __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+// 4-byte shared-memory accesses at an address as smem_address gives it.
+__device__ __forceinline__ void st_shared32(unsigned at, unsigned v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_shared32(unsigned at) {
+    unsigned v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
+    return v;
+}
 
 // The A fragments of a banded Toeplitz matrix whose band starts `shift` inputs into the window
 // (fragment_offset), lane l's four words of k-step s at frag[32 s + l].
@@ -225,13 +234,15 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
 }
 
 template <typename T, int KS, int CL>
-__global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARPS, CL ? 1 : 16 / BWD_MMA_WARPS)
+__global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARPS, 16 / (CL ? BWD_MMA_CL_WARPS : BWD_MMA_WARPS))
     bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     constexpr int LP = mma_lags(KS), HOLD = KS <= BWD_MMA_LAGS;  // HOLD: C_d kept over items
     constexpr int TB = (D + 127) / 128;  // blocks of dz past the span a run's first item computes
-    constexpr int CW = BWD_MMA_CL_WARPS;  // CL: channels a block (one a warp)
+    constexpr int CW = BWD_MMA_CL_WARPS, RUNS = CW / 8;  // CL: channels a block (one a warp), 16-byte runs a row
+    static_assert(CW % 8 == 0, "channel-last rows are whole 16-byte runs of 8 channels");
+    constexpr int ROWS = 32 * CW / RUNS;  // CL: rows the block's threads take at once
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
     const int width = (int)p.width, S = (int)p.span, DL = S + 128 * TB;
     const bool x_aligned = p.x_aligned != 0, dout_aligned = p.dout_aligned != 0, dx_aligned = p.dx_aligned != 0;
@@ -250,7 +261,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
     float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // KS x 256: the C_d (not HOLD)
     // CL: the block's staging area, D + DL rows of x then DL rows of dout, CW channels a row
     uint4* const stage_x = reinterpret_cast<uint4*>(smem_raw + p.stage_at);
-    uint4* const stage_dout = stage_x + 2 * (D + DL);
+    uint4* const stage_dout = stage_x + RUNS * (D + DL);
     for (int i = lane; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
     if constexpr (!HOLD) {
         for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
@@ -283,31 +294,39 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
     auto stage = [&](const Item& it, int buf, bool tail) {
         const int64 t0 = it.sp * S;
         const int x_rows = D + S + (tail ? 128 * TB : 0), dout_rows = S + (tail ? 128 * TB : 0);
-        if constexpr (CL) {  // 16-byte runs of 8 channels: two a row, zeros past the channels
-            const T* const xb = x + it.b * p.x_batch_stride;
-            const T* const gb = dout + it.b * p.dout_batch_stride;
-            for (int v = threadIdx.x; v < 2 * (x_rows + dout_rows); v += 32 * CW) {
-                const bool is_x = v < 2 * x_rows;
-                const int row = (is_x ? v : v - 2 * x_rows) >> 1;
-                const int64 c0 = CW * it.c + 8 * (v & 1), pos = is_x ? t0 - D + row : t0 + row;
-                uint4* const dst = (is_x ? stage_x : stage_dout) + 2 * row + (v & 1);
-                const bool in = c0 < dim && pos < seqlen;
-                if (in && pos >= 0) {
-                    const T* const src = is_x ? xb + pos * p.x_l_stride + c0 : gb + pos * p.dout_l_stride + c0;
-                    cp_async<16>(dst, src, 16);
-                } else if (!in || !is_x || pos < -(width - 1) || !initial_states) {
-                    *dst = make_uint4(0, 0, 0, 0);
-                } else {  // x before the row: initial_states
-                    unsigned w[4];
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float lo = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e, pos);
-                        const float hi = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e + 1, pos);
-                        w[e] = pack2<bf16>(lo, hi);
-                    }
-                    *dst = make_uint4(w[0], w[1], w[2], w[3]);
+        if constexpr (CL) {  // 16-byte runs of 8 channels, zeros past the channels
+            // thread t: run h = t % RUNS of rows t / RUNS, + ROWS, ...
+            const int h = threadIdx.x % RUNS, r0 = threadIdx.x / RUNS;
+            const int64 c0 = CW * it.c + 8 * h;
+            const bool in = c0 < dim;
+            auto rows = [&](uint4* dst, const T* src, int64 l_stride, int64 pos0, int n, bool is_x) {
+                dst += RUNS * r0 + h;
+                src += c0 + (pos0 + r0) * l_stride;
+                const int64 step = ROWS * l_stride;
+                if (in && pos0 >= 0 && pos0 + n <= seqlen) {  // inside the row: no checks
+                    for (int r = r0; r < n; r += ROWS, dst += RUNS * ROWS, src += step) cp_async<16>(dst, src, 16);
+                    return;
                 }
-            }
+                for (int r = r0; r < n; r += ROWS, dst += RUNS * ROWS, src += step) {
+                    const int64 pos = pos0 + r;
+                    if (in && pos >= 0 && pos < seqlen) {
+                        cp_async<16>(dst, src, 16);
+                    } else if (!in || !is_x || pos >= seqlen || pos < -(width - 1) || !initial_states) {
+                        *dst = make_uint4(0, 0, 0, 0);
+                    } else {  // x before the row: initial_states
+                        unsigned w[4];
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float lo = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e, pos);
+                            const float hi = input_at<float>(x, initial_states, p, it.b, c0 + 2 * e + 1, pos);
+                            w[e] = pack2<bf16>(lo, hi);
+                        }
+                        *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    }
+                }
+            };
+            rows(stage_x, x + it.b * p.x_batch_stride, p.x_l_stride, t0 - D, x_rows, true);
+            rows(stage_dout, dout + it.b * p.dout_batch_stride, p.dout_l_stride, t0, dout_rows, false);
             cp_async_commit();
             return;
         }
@@ -351,21 +370,24 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         }
         cp_async_commit();
     };
-    // CL: the staged rows into buffer `buf` of the warps (warp 8 h + e takes element e of the
-    // run of row r at h), x_rows of x and dout_rows of dout.
+    // CL: the staged rows into buffer `buf` of the warps, x_rows of x and dout_rows of dout
+    // (both even). Thread t: rows 2 j and 2 j + 1 of run h = t % RUNS (j = t / RUNS, + ROWS,
+    // ...), the pair of positions of channel e to warp 8 h + e.
     auto unstage = [&](int buf, int x_rows, int dout_rows) {
-        for (int v = threadIdx.x; v < 2 * (x_rows + dout_rows); v += 32 * CW) {
-            const bool is_x = v < 2 * x_rows;
-            const int row = (is_x ? v : v - 2 * x_rows) >> 1, h = v & 1;
-            const uint4 run = (is_x ? stage_x : stage_dout)[2 * row + h];
-            const unsigned w[4] = {run.x, run.y, run.z, run.w};
-            const size_t at = is_x ? (buf ? p.x1_at : 0) : (buf ? p.dout1_at : p.dout_at);
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                unsigned short* const r = reinterpret_cast<unsigned short*>(smem_raw + (8 * h + e) * p.warp_bytes + at);
-                r[row] = (unsigned short)(w[e >> 1] >> (16 * (e & 1)));
+        const int h = threadIdx.x % RUNS;
+        const unsigned wb = (unsigned)p.warp_bytes, first_row = smem_address(smem_raw) + 8 * h * wb;
+        auto rows = [&](const uint4* src, unsigned row_at, int n) {
+            for (int j = threadIdx.x / RUNS; 2 * j < n; j += ROWS) {
+                const uint4 a = src[RUNS * 2 * j + h], b = src[RUNS * (2 * j + 1) + h];
+                const unsigned ra[4] = {a.x, a.y, a.z, a.w}, rb[4] = {b.x, b.y, b.z, b.w};
+                const unsigned at = row_at + 4 * j;
+                #pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    st_shared32(at + e * wb, __byte_perm(ra[e >> 1], rb[e >> 1], e & 1 ? 0x7632 : 0x5410));
             }
-        }
+        };
+        rows(stage_x, first_row + (unsigned)(buf ? p.x1_at : 0), x_rows);
+        rows(stage_dout, first_row + (unsigned)(buf ? p.dout1_at : p.dout_at), dout_rows);
     };
 
     Item cur = item, nxt = item;
@@ -577,24 +599,27 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
                 for (int k = lane; k <= width; k += 32) partials[(part * dim + c) * (width + 1) + k] = 0.f;
             }
         }
-        if constexpr (CL) {  // dx from the warps' rows, 16-byte runs of 8 channels
+        if constexpr (CL) {  // dx from the warps' rows (the other buffer's x), 16-byte runs
+            // thread t: positions 2 j and 2 j + 1 of run h = t % RUNS (j = t / RUNS, + ROWS, ...)
             __syncthreads();
-            T* const dxb = dx + cur.b * p.dx_batch_stride + t0 * p.dx_l_stride;
-            for (int v = threadIdx.x; v < 2 * n_out; v += 32 * CW) {
-                const int q = v >> 1, h = v & 1;
-                const int64 c0 = CW * cur.c + 8 * h;
-                if (c0 >= dim) continue;
-                const size_t at = buf ? 0 : p.x1_at;  // the other buffer's x row
-                unsigned w[4];
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const unsigned short* const r0 =
-                        reinterpret_cast<const unsigned short*>(smem_raw + (8 * h + 2 * e) * p.warp_bytes + at);
-                    const unsigned short* const r1 =
-                        reinterpret_cast<const unsigned short*>(smem_raw + (8 * h + 2 * e + 1) * p.warp_bytes + at);
-                    w[e] = (unsigned)r0[q] | (unsigned)r1[q] << 16;
+            const int h = threadIdx.x % RUNS;
+            const int64 c0 = CW * cur.c + 8 * h;
+            if (c0 < dim) {
+                const unsigned wb = (unsigned)p.warp_bytes;
+                const unsigned row_at = smem_address(smem_raw) + 8 * h * wb + (unsigned)(buf ? 0 : p.x1_at);
+                T* out = dx + cur.b * p.dx_batch_stride + t0 * p.dx_l_stride + c0;
+                for (int j = threadIdx.x / RUNS; 2 * j < n_out; j += ROWS) {
+                    unsigned w[8];
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) w[e] = ld_shared32(row_at + 4 * j + e * wb);
+                    uint4 lo, hi;  // positions 2 j and 2 j + 1
+                    lo.x = __byte_perm(w[0], w[1], 0x5410), hi.x = __byte_perm(w[0], w[1], 0x7632);
+                    lo.y = __byte_perm(w[2], w[3], 0x5410), hi.y = __byte_perm(w[2], w[3], 0x7632);
+                    lo.z = __byte_perm(w[4], w[5], 0x5410), hi.z = __byte_perm(w[4], w[5], 0x7632);
+                    lo.w = __byte_perm(w[6], w[7], 0x5410), hi.w = __byte_perm(w[6], w[7], 0x7632);
+                    *reinterpret_cast<uint4*>(out + 2 * j * p.dx_l_stride) = lo;
+                    if (2 * j + 1 < n_out) *reinterpret_cast<uint4*>(out + (2 * j + 1) * p.dx_l_stride) = hi;
                 }
-                *reinterpret_cast<uint4*>(dxb + q * p.dx_l_stride + c0) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         }
         cur = nxt;
