@@ -118,6 +118,7 @@ def default_cases() -> list[Case]:
     cases.append(Case(8, 5120, 2048, "cf", dtype="float16"))
     for layout in ("cf", "cl"):  # the wide filters' rows
         cases += [Case(8, 5120, 2048, layout, width=w) for w in (8, 16, 31, 64, 128, 256)]
+    cases += [Case(8, 5120, 2048, layout, dtype="float32", width=64) for layout in ("cf", "cl")]
     return cases
 
 
