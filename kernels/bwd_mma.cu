@@ -65,6 +65,11 @@ __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(
 __device__ __forceinline__ void st_shared32(unsigned at, unsigned v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
 }
+// A 16-byte global store (v4 even where the compiler cannot see the address's alignment).
+__device__ __forceinline__ void st_global16(void* at, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
 __device__ __forceinline__ unsigned ld_shared32(unsigned at) {
     unsigned v;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
@@ -617,8 +622,8 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
                     lo.y = __byte_perm(w[2], w[3], 0x5410), hi.y = __byte_perm(w[2], w[3], 0x7632);
                     lo.z = __byte_perm(w[4], w[5], 0x5410), hi.z = __byte_perm(w[4], w[5], 0x7632);
                     lo.w = __byte_perm(w[6], w[7], 0x5410), hi.w = __byte_perm(w[6], w[7], 0x7632);
-                    *reinterpret_cast<uint4*>(out + 2 * j * p.dx_l_stride) = lo;
-                    if (2 * j + 1 < n_out) *reinterpret_cast<uint4*>(out + (2 * j + 1) * p.dx_l_stride) = hi;
+                    st_global16(out + 2 * j * p.dx_l_stride, lo);
+                    if (2 * j + 1 < n_out) st_global16(out + (2 * j + 1) * p.dx_l_stride, hi);
                 }
             }
         }
