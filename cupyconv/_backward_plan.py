@@ -54,8 +54,9 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general p
 CHANNEL_MAX_WIDTH = 16
 # bwd_mma (bfloat16 x and weights, no seq_idx) from this width on, for spans of up to MMA_SPAN
 # positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (against
-# bwd_channel: 0.81 / 0.73 TB/s at width 12, 0.81 / 1.64 at 9), spans of up to MMA_CL_SPAN,
-# where a block's shared memory fits the device.
+# bwd_channel: 1.03 / 0.73 TB/s at width 12; 0.81 / 1.64 at width 9 in the first version,
+# which ran at 0.81 at 12), spans of up to MMA_CL_SPAN, where a block's shared memory fits
+# the device.
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
