@@ -2,7 +2,8 @@
 m16n8k16 fragment layouts: checks the index mapping of the A (Toeplitz weights, read from the
 zero-padded weight row), B (inputs, read as 8-byte words of the staged window) and C (outputs,
 stored as adjacent pairs) fragments, with the kernel's permutations of k and of the rows,
-against a direct causal convolution.
+against a direct causal convolution; and models of the channel-last moves of fwd_mma and
+bwd_mma (index math, byte permutations, shared-memory bank conflicts).
 """
 
 import numpy as np
@@ -196,3 +197,58 @@ def test_channel_last_transposes(width, span):
             i, h = lane >> 1, lane & 1
             got = block[8 * slot(i, h) : 8 * slot(i, h) + 8]
             assert (got == window[base + i, 8 * h : 8 * h + 8]).all()
+
+
+# ---- bwd_mma on channel-contiguous x: the block's moves into the warps' rows and back ----------
+
+
+def byte_perm(x: int, y: int, selector: int) -> int:
+    """PTX prmt / __byte_perm: byte i of the result is byte (selector nibble i) of y:x."""
+    pool = (x | y << 32).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[selector >> 4 * i & 7] for i in range(4)), "little")
+
+
+def words(values) -> list[int]:
+    """16-bit values as 32-bit words, two a word, the first in the low half."""
+    return [int(values[i]) | int(values[i + 1]) << 16 for i in range(0, len(values), 2)]
+
+
+@pytest.mark.parametrize("channels", (16, 8))  # BWD_MMA_CL_WARPS: two or one run a row
+@pytest.mark.parametrize("rows", (2, 528, 640, 1552))
+def test_backward_channel_last_moves(channels, rows):
+    """kernels/bwd_mma.cu, CL = 1: each thread's share of the staged rows (stage), of their
+    move into the warps' rows as pairs of positions (unstage: __byte_perm 0x5410 / 0x7632 of
+    the runs of two rows), and of dx's move back out as 16-byte runs; every staged element
+    reaches its warp's row at its position, and every element of the warps' rows its run."""
+    runs = channels // 8
+    threads, step = 32 * channels, 32 * channels // runs  # ROWS
+    staged = rng.integers(0, 1 << 16, size=(rows, channels))  # [position][channel], 16 bits
+    run = {(r, h): words(staged[r, 8 * h : 8 * h + 8]) for r in range(rows) for h in range(runs)}
+
+    covered = []  # stage: thread t copies run h = t % RUNS of rows t / RUNS, + ROWS, ...
+    for t in range(threads):
+        covered += [(r, t % runs) for r in range(t // runs, rows, step)]
+    assert sorted(covered) == sorted(run)
+
+    warp_rows = np.full((channels, rows // 2), -1)  # u32 words, pairs of positions
+    for t in range(threads):  # unstage
+        h = t % runs
+        for j in range(t // runs, rows // 2, step):
+            ra, rb = run[(2 * j, h)], run[(2 * j + 1, h)]
+            for e in range(8):
+                assert warp_rows[8 * h + e, j] == -1, "written twice"
+                sel = 0x7632 if e & 1 else 0x5410
+                warp_rows[8 * h + e, j] = byte_perm(ra[e >> 1], rb[e >> 1], sel)
+    got = np.stack([warp_rows & 0xFFFF, warp_rows >> 16], axis=2).reshape(channels, rows)
+    assert np.array_equal(got, staged.T)
+
+    out = {}  # dx out: thread t, positions 2 j and 2 j + 1 of run h
+    for t in range(threads):
+        h = t % runs
+        for j in range(t // runs, rows // 2, step):
+            w = [int(warp_rows[8 * h + e, j]) for e in range(8)]
+            lo = [byte_perm(w[2 * k], w[2 * k + 1], 0x5410) for k in range(4)]
+            hi = [byte_perm(w[2 * k], w[2 * k + 1], 0x7632) for k in range(4)]
+            assert (2 * j, h) not in out and (2 * j + 1, h) not in out
+            out[(2 * j, h)], out[(2 * j + 1, h)] = lo, hi
+    assert out == run
