@@ -238,10 +238,22 @@ def test_tensor_core_row_lengths(tensor_cores, seqlen, layout, width):
     run_bwd(2, dim, seqlen, width, "bfloat16", layout=layout, init=True, dfinal=True, seed=seqlen)
 
 
-@pytest.mark.parametrize("width", (4, 64))
-def test_tensor_core_single_part(tensor_cores, width):
-    """One span of one row: dweight and dbias written by bwd_mma itself."""
-    run_bwd(1, 20, 700, width, "bfloat16", buffers=True, init=True, seed=width)
+@pytest.mark.parametrize(
+    "layout,width,seqlen", [("cf", 4, 700), ("cf", 64, 700), ("cl", 17, 500), ("cl", 64, 250)]
+)
+def test_tensor_core_single_part(tensor_cores, layout, width, seqlen):
+    """One row of one batch: dweight and dbias written by bwd_mma itself where the row is one
+    span (channel-last: spans of 512, or 256 from width 50); time-contiguous spans shrink to
+    give the device work, into several parts."""
+    from cupyconv import _backward_plan
+
+    dim = 24 if layout == "cl" else 20
+    run_bwd(1, dim, seqlen, width, "bfloat16", layout=layout, buffers=True, init=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    if layout == "cl":
+        assert plan.n_parts == 1 and [s.name.split("<")[0] for s in plan.launches] == [
+            "bwd_mma", "bwd_states",
+        ]  # fmt: skip
 
 
 @pytest.mark.parametrize("layout,width", [("cf", 16), ("cf", 64), ("cf", 200), ("cl", 64)])
