@@ -53,10 +53,9 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general p
 # (benchmarks/NOTES.md, "The channel-last backward from width 9").
 CHANNEL_MAX_WIDTH = 16
 # bwd_mma (bfloat16 x and weights, no seq_idx) from this width on, for spans of up to MMA_SPAN
-# positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (against
-# bwd_channel: 1.03 / 0.73 TB/s at width 12; 0.81 / 1.64 at width 9 in the first version,
-# which ran at 0.81 at 12), spans of up to MMA_CL_SPAN, where a block's shared memory fits
-# the device.
+# positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (bwd_channel
+# runs 0.73 TB/s at width 12 against bwd_mma's 1.03, 1.64 at width 9), spans of up to
+# MMA_CL_SPAN, where a block's shared memory fits the device.
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
@@ -352,14 +351,17 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
 
-def _mma_cl_smem(span: int, steps: int) -> int:
-    """Shared memory of a channel-contiguous bwd_mma block: its warps' areas, then the staging
-    area of an item, rows of BWD_MMA_CL_WARPS channels (32 bytes): D + span + 128 TB of x and
-    span + 128 TB of dout."""
+def _mma_cl_layout(span: int, steps: int) -> tuple[dict, int]:
+    """A channel-contiguous bwd_mma block's shared memory: one warp's layout (``_mma_layout``)
+    with the staging area's offset ``stage_at`` after the block's warps, and the block's total
+    bytes (the staging area holds an item's rows of BWD_MMA_CL_WARPS channels, 2 bytes each:
+    D + span + 128 TB of x and span + 128 TB of dout)."""
     d = 16 * (steps - 1)
     dz_len = span + 128 * -(-d // 128)
     warps = CONSTANTS["BWD_MMA_CL_WARPS"]
-    return warps * _mma_layout(span, steps)["warp_bytes"] + 2 * warps * (d + 2 * dz_len)
+    layout = _mma_layout(span, steps)
+    layout["stage_at"] = stage_at = warps * layout["warp_bytes"]
+    return layout, stage_at + 2 * warps * (d + 2 * dz_len)
 
 
 def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
@@ -369,9 +371,10 @@ def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
     batch, dim, seqlen = x.shape
     steps, warps = mma_steps(width), CONSTANTS["BWD_MMA_CL_WARPS"]
     span, limit = min(MMA_CL_SPAN, -(-seqlen // 256) * 256), shared_memory_limit(device)
-    while span > 256 and _mma_cl_smem(span, steps) > limit:
+    layout, smem = _mma_cl_layout(span, steps)
+    while span > 256 and smem > limit:
         span = max(256, span // 512 * 256)
-    smem = _mma_cl_smem(span, steps)
+        layout, smem = _mma_cl_layout(span, steps)
     if smem > limit:
         return None
     name = _mma_name(width, channel_last=True)
@@ -379,10 +382,9 @@ def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
     resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
     grid = min(resident, items, MAX_GRID)
     per = -(-items // grid)
-    layout = _mma_layout(span, steps)
     launch = MMA.launch(
         name, grid, (32 * warps, 1), smem, x_aligned=True, dout_aligned=True, dx_aligned=True,
-        span=span, per=per, **layout, stage_at=warps * layout["warp_bytes"],
+        span=span, per=per, **layout,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
