@@ -46,12 +46,20 @@ CONSTANTS = {
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
     "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
+    "WIDE_THREADS": 256,  # bwd_wide: threads a block, 16 a channel
+    "WIDE_CHANNELS": 16,  # bwd_wide: channels a block
+    "WIDE_BLOCKS": 2,  # bwd_wide: blocks an SM its register budget is set for (float64: 1)
+    "WIDE_TILE": 256,  # bwd_wide: positions a tile (>= the widest filter's K - 1)
+    "WIDE_BATCH": 8,  # bwd_wide: loads a thread has in flight while it stages rows
+    "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
+    "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general path)
-# bwd_channel up to this width: at 9 / 12 / 16 it runs 20 / 10 / 4 times the general path's
-# speed, from 24 on its rings spill (5-10 KB of stack a thread) and it gains 1.1-1.9 times
-# (benchmarks/NOTES.md, "The channel-last backward from width 9").
-CHANNEL_MAX_WIDTH = 16
+# bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
+# the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
+# backward from width 9"), and below CHANNEL_WIDE_FROM without (then bwd_wide: at width 16,
+# 2.8 times bwd_channel's speed in float32, 1.9 times in bfloat16; "bwd_wide").
+CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
 # bwd_mma (bfloat16 x and weights, no seq_idx) from this width on, for spans of up to MMA_SPAN
 # positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (bwd_channel
 # runs 0.73 TB/s at width 12 against bwd_mma's 1.03, 1.64 at width 9), spans of up to
@@ -115,9 +123,16 @@ MMA = Kernel(
         "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "cd_at", "stage_at",
     ),
 )  # fmt: skip
+WIDE = Kernel(
+    "bwd_wide", "bwd_wide.cu", "BwdWideParams",
+    (
+        "x_channels_fastest", "dout_channels_fastest", "dx_channels_fastest", "seg_tiles",
+        "row_slots", "tap_slots", "dz_at", "taps_at", "rtaps_at",
+    ),
+)  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
-KERNELS = (TIME, CHANNEL, MMA, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (TIME, CHANNEL, MMA, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -193,14 +208,14 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     by source."""
     found: dict = {}
     for d in dtypes:
-        for k in (DZ, DX, WEIGHT, STATES, REDUCE):
+        for k in (WIDE, DZ, DX, WEIGHT, STATES, REDUCE):
             found.setdefault(k.source, set()).add(f"{k.template}<{C_TYPES[d]}>")
         for w in widths:
             for seq in (False, True):
                 if w <= TIME_MAX_WIDTH:
                     for chunk in (TIME_SHORT_CHUNK, TIME_LONG_CHUNK):
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
-                if w <= CHANNEL_MAX_WIDTH:
+                if w <= CHANNEL_MAX_WIDTH and (seq or w < CHANNEL_WIDE_FROM):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
@@ -250,9 +265,14 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
-    if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, lane_bytes):
+    narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < CHANNEL_WIDE_FROM)
+    if x_c == 1 and narrow and _channel_vectors(x, lane_bytes):
         return _plan_channel(x, dout, dx, width, has_seq, states, itemsize)
-    channels_fastest = abs(x_c) < abs(x_l) and seqlen > 1
+    if not has_seq:
+        plan = _plan_wide(x, dout, dx, width, states, device)
+        if plan is not None:
+            return plan
+    channels_fastest = _channels_fastest(x)
     if channels_fastest:  # dz laid out [batch, seqlen, dim]
         scratch = (seqlen * dim, 1, dim)
     else:
@@ -387,6 +407,56 @@ def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
         span=span, per=per, **layout,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _channels_fastest(a: Array) -> bool:
+    """Whether ``a``'s channels lie closer together than its positions (rows of several)."""
+    _, a_c, a_l = a.strides
+    return abs(a_c) < abs(a_l) and a.shape[2] > 1
+
+
+def _wide_layout(width: int, itemsize: int) -> tuple[dict, int]:
+    """A bwd_wide block's shared memory (accumulation type): WIDE_CHANNELS rows of x, then of
+    dz, of ``row_slots`` slots each (WIDE_TILE positions, the 8 (width // 8) + 16 a window read
+    reaches past them, WIDE_BANK_PAD slots every WIDE_BANK_RUN); then the taps and the reversed
+    taps, ``tap_slots`` each (the last tap block whole). Returns the plan fields and the bytes."""
+    acc = 8 if itemsize == 8 else 4
+    channels, run, pad = (CONSTANTS[k] for k in ("WIDE_CHANNELS", "WIDE_BANK_RUN", "WIDE_BANK_PAD"))
+    reach = CONSTANTS["WIDE_TILE"] + 8 * (width // 8) + 16
+    row_slots = reach + reach // run * pad
+    tap_slots = 8 * (width // 8) + 8
+    dz_at = channels * row_slots * acc
+    taps_at = 2 * dz_at
+    rtaps_at = taps_at + channels * tap_slots * acc
+    layout = dict(
+        row_slots=row_slots, tap_slots=tap_slots, dz_at=dz_at, taps_at=taps_at, rtaps_at=rtaps_at
+    )
+    return layout, rtaps_at + channels * tap_slots * acc
+
+
+def _plan_wide(x, dout, dx, width, states, device) -> BackwardPlan | None:
+    """bwd_wide, where its block fits the device's shared memory (None where not): one item
+    a block (a batch row's group of WIDE_CHANNELS channels and a segment of its tiles); rows
+    split into segments of at least two tiles while the items would not fill the device
+    twice over."""
+    batch, dim, seqlen = x.shape
+    layout, smem = _wide_layout(width, ITEMSIZE[x.dtype_name])
+    if smem > shared_memory_limit(device):
+        return None
+    name = f"bwd_wide<{C_TYPES[x.dtype_name]}>"
+    threads = CONSTANTS["WIDE_THREADS"]
+    resident = resident_blocks(device, WIDE.source, name, threads, smem)
+    tiles = -(-seqlen // CONSTANTS["WIDE_TILE"])
+    rows = batch * -(-dim // CONSTANTS["WIDE_CHANNELS"])
+    segments = max(1, min(tiles // 2, -(-2 * resident // rows)))
+    seg_tiles = -(-tiles // segments)
+    segments = -(-tiles // seg_tiles)
+    launch = WIDE.launch(
+        name, _grid(rows * segments, 1), (threads, 1), smem,
+        x_channels_fastest=_channels_fastest(x), dout_channels_fastest=_channels_fastest(dout),
+        dx_channels_fastest=_channels_fastest(dx), seg_tiles=seg_tiles, **layout,
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * segments, None)
 
 
 def _channel_vectors(a: Array, lane_bytes: int) -> bool:

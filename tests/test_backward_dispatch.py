@@ -44,6 +44,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(backward, "stream_of", lambda a: None)
     monkeypatch.setattr(backward, "result", lambda like, arr: arr.obj)
     monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
     return record
 
 
@@ -74,28 +76,32 @@ def names(record):
 
 
 @pytest.mark.parametrize(
-    "x,width,main",
+    "x,width,main,with_seq",
     [
-        (cf(2, 64, 300), 4, "bwd_time"),
-        (cf(2, 64, 300), 16, "bwd_time"),
-        (cf(2, 64, 300), 17, "bwd_dz"),  # wider: the general path
-        (cl(2, 64, 300), 4, "bwd_channel"),
-        (cl(2, 64, 300), 8, "bwd_channel"),
-        (cl(2, 64, 300), 16, "bwd_channel"),
-        (cl(2, 64, 300), 17, "bwd_dz"),  # wider: the general path
-        (cl(2, 63, 300), 4, "bwd_dz"),  # channels do not split into lane vectors
-        (cl(2, 64, 300, offset=1), 4, "bwd_dz"),  # misaligned
-        (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_dz"),  # every other step
+        (cf(2, 64, 300), 4, "bwd_time", "bwd_time"),
+        (cf(2, 64, 300), 16, "bwd_time", "bwd_time"),
+        (cf(2, 64, 300), 17, "bwd_wide", "bwd_dz"),  # wider, not bfloat16
+        (cl(2, 64, 300), 4, "bwd_channel", "bwd_channel"),
+        (cl(2, 64, 300), 12, "bwd_channel", "bwd_channel"),
+        (cl(2, 64, 300), 13, "bwd_wide", "bwd_channel"),  # bwd_wide takes no seq_idx
+        (cl(2, 64, 300), 16, "bwd_wide", "bwd_channel"),
+        (cl(2, 64, 300), 17, "bwd_wide", "bwd_dz"),
+        (cl(2, 63, 300), 4, "bwd_wide", "bwd_dz"),  # channels do not split into lane vectors
+        (cl(2, 64, 300, offset=1), 4, "bwd_wide", "bwd_dz"),  # misaligned
+        (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_wide", "bwd_dz"),  # step 2
     ],
 )
-def test_main_kernel_by_layout(launches, x, width, main):
-    call(x, width)
-    got = names(launches)
-    assert got[0] == main
-    if main == "bwd_dz":
-        assert got[:3] == ["bwd_dz", "bwd_dx", "bwd_weight"]
-    parts = launches["launches"][0][2]["n_parts"]
-    assert (got[-1] == "bwd_reduce") == (parts != 1) and "bwd_states" not in got
+def test_main_kernel_by_layout(launches, x, width, main, with_seq):
+    """The main kernel without and with seq_idx; the general path's three kernels."""
+    for seq_idx, want in ((None, main), (FakeCudaArray((2, 300), dtype=np.int32), with_seq)):
+        launches["launches"].clear()
+        call(x, width, seq_idx=seq_idx)
+        got = names(launches)
+        assert got[0] == want
+        if want == "bwd_dz":
+            assert got[:3] == ["bwd_dz", "bwd_dx", "bwd_weight"]
+        parts = launches["launches"][0][2]["n_parts"]
+        assert (got[-1] == "bwd_reduce") == (parts != 1) and "bwd_states" not in got
 
 
 def test_partials_and_scratch(launches):
@@ -108,7 +114,8 @@ def test_partials_and_scratch(launches):
     chunk = 32 * 8 * 4  # bwd_time long rows: 8 vectors of 4 float32 a lane
     assert parts == 3 * -(-5000 // chunk)
     launches["allocations"].clear()
-    call(cl(3, 64, 5000), 20)  # general path, channel-last: dz [batch, seqlen, dim]
+    seq_idx = FakeCudaArray((3, 5000), dtype=np.int32)
+    call(cl(3, 64, 5000), 20, seq_idx=seq_idx)  # general path, channel-last: dz [b, seqlen, dim]
     shapes = launches["allocations"]
     assert ((3, 64, 5000), (5000 * 64, 1, 64), "float32") in shapes
 
@@ -116,7 +123,7 @@ def test_partials_and_scratch(launches):
 @pytest.mark.parametrize(
     "x,width,main",
     [(cf(1, 64, 300), 4, "bwd_time"), (cl(1, 64, 16), 4, "bwd_channel"),
-     (cl(1, 64, 300), 20, "bwd_dz")],
+     (cl(1, 64, 300), 20, "bwd_wide")],
 )  # fmt: skip
 def test_single_part_has_no_partials(launches, x, width, main):
     """A call of one part writes dweight and dbias from its main kernel (write_sum): no
@@ -268,8 +275,8 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
             plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
             main = plan.launches[0]
             if not main.name.startswith("bwd_mma"):
-                narrow = width <= _backward_plan.CHANNEL_MAX_WIDTH
-                assert main.name.startswith("bwd_channel" if narrow else "bwd_dz"), main.name
+                narrow = width < _backward_plan.CHANNEL_WIDE_FROM
+                assert main.name.startswith("bwd_channel" if narrow else "bwd_wide"), main.name
                 continue
             steps = _launch.mma_steps(width)
             taken.add(steps)
@@ -303,13 +310,13 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
     assert main(cl()).startswith("bwd_mma") and main(cl(row=192)).startswith("bwd_mma")
     assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH).startswith("bwd_mma")
     assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH - 1).startswith("bwd_channel")
-    assert main(cl(), width=66).startswith("bwd_dz")  # more k-steps than MMA_CL_STEPS
-    assert main(cl(c=60)).startswith("bwd_dz")  # channels not in runs of 8
-    assert main(cl(ptr=(1 << 40) + 2)).startswith("bwd_dz")  # runs not 16-byte aligned
-    assert main(cl(row=68)).startswith("bwd_dz")  # rows not 16-byte aligned
-    assert main(cl(), dout=bf16_rows(2, 64, 300)).startswith("bwd_dz")  # dout time-contiguous
+    assert main(cl(), width=66).startswith("bwd_wide")  # more k-steps than MMA_CL_STEPS
+    assert main(cl(c=60)).startswith("bwd_wide")  # channels not in runs of 8
+    assert main(cl(ptr=(1 << 40) + 2)).startswith("bwd_wide")  # runs not 16-byte aligned
+    assert main(cl(row=68)).startswith("bwd_wide")  # rows not 16-byte aligned
+    assert main(cl(), dout=bf16_rows(2, 64, 300)).startswith("bwd_wide")  # dout time-contiguous
     assert main(cl(), seq=True).startswith("bwd_dz")
-    assert main(cl(), weight="float32").startswith("bwd_dz")
+    assert main(cl(), weight="float32").startswith("bwd_wide")
 
 
 def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
@@ -324,6 +331,60 @@ def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
 
     assert main(x, width=_backward_plan.MMA_MIN_WIDTH).startswith("bwd_mma")
     assert main(x, width=_backward_plan.MMA_MIN_WIDTH - 1).startswith("bwd_time")
-    assert main(x, width=40, weight="float32").startswith("bwd_dz")  # weights of another dtype
+    assert main(x, width=40, weight="float32").startswith("bwd_wide")  # weights of another dtype
     assert main(x, width=40, seq=True).startswith("bwd_dz")
     assert main(cl, width=8).startswith("bwd_channel")
+
+
+@pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
+def test_wide_plan_fits_the_device(monkeypatch, limit):
+    """Every width 1 to 256 x dtype x row length on layouts no faster kernel takes: bwd_wide
+    where its block fits the opt-in limit (rows of x and dz that reach every window read,
+    16-byte aligned areas in order), else the general path; segments of at least two tiles,
+    covering the row, and only while the items would not fill the device twice."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
+    c = _backward_plan.CONSTANTS
+    tile, channels = c["WIDE_TILE"], c["WIDE_CHANNELS"]
+    general = set()
+    for dtype in (np.float16, np.float32, np.float64):
+        acc = 8 if dtype is np.float64 else 4
+        for batch, dim, seqlen in ((2, 40, 300), (1, 16, 5000), (1, 16, 700), (4, 8, 3)):
+            strides = (dim * seqlen * 2, 2 * seqlen, 2)  # every other step
+            x = _arrays.describe(FakeCudaArray((batch, dim, seqlen), strides, dtype), "x")
+            name = np.dtype(dtype).name
+            for width in range(1, 257):
+                plan = _backward_plan.plan_backward(x, x, x, width, False, False, name, 0)
+                main = plan.launches[0]
+                where = f"{np.dtype(dtype).name} {(batch, dim, seqlen)} width {width}"
+                if not main.name.startswith("bwd_wide"):
+                    assert main.name.startswith("bwd_dz"), where
+                    general.add((np.dtype(dtype).name, width))
+                    continue
+                f = dict(zip(_backward_plan.WIDE.plan_fields, main.plan_fields, strict=True))
+                reach = tile + 8 * (width // 8) + 16  # the furthest window read, + 1
+                pads = (reach - 1) // c["WIDE_BANK_RUN"] * c["WIDE_BANK_PAD"]
+                assert f["row_slots"] >= reach + pads, where
+                assert f["tap_slots"] >= 8 * (width // 8) + 8 and f["tap_slots"] % 8 == 0, where
+                rows = channels * f["row_slots"] * acc
+                assert f["dz_at"] == rows and f["taps_at"] == 2 * rows, where
+                assert f["rtaps_at"] == f["taps_at"] + channels * f["tap_slots"] * acc, where
+                assert all(f[k] % 16 == 0 for k in ("dz_at", "taps_at", "rtaps_at")), where
+                assert main.smem == f["rtaps_at"] + channels * f["tap_slots"] * acc <= limit, where
+                assert main.block == (c["WIDE_THREADS"], 1) and f["x_channels_fastest"] == 0, where
+                tiles = -(-seqlen // tile)
+                segments = -(-tiles // f["seg_tiles"])
+                assert f["seg_tiles"] >= min(2, tiles) and plan.n_parts == batch * segments, where
+                items = batch * -(-dim // channels)
+                assert segments == 1 or items * (segments - 1) < 2 * 132 * 2, where
+                assert main.grid == items * segments, where
+    # where a block does not fit: float64 on sm_80 from width 168, on sm_86 from 48, the others
+    # on sm_86 from 232
+    want = {
+        232448: set(),
+        166912: {("float64", w) for w in range(168, 257)},
+        101376: {(d, w) for d in ("float16", "float32") for w in range(232, 257)}
+        | {("float64", w) for w in range(48, 257)},
+    }
+    assert general == want[limit]

@@ -311,6 +311,118 @@ def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layou
         assert not np.isfinite(a[~finite]).any(), name
 
 
+# ---- bwd_wide: CUDA cores, any layout, width and dtype pair without seq_idx ----------------
+
+
+@pytest.fixture
+def wide_path(monkeypatch):
+    """bwd_wide for every call without seq_idx, whatever the faster kernels would take; the
+    test must have launched it."""
+    from cupyconv import _backward_plan, _fast
+
+    monkeypatch.setattr(_backward_plan, "TIME_MAX_WIDTH", 0)
+    monkeypatch.setattr(_backward_plan, "CHANNEL_MAX_WIDTH", 0)
+    monkeypatch.setattr(_backward_plan, "MMA_MIN_WIDTH", 1000)
+    monkeypatch.setattr(_backward_plan, "MMA_CL_MIN_WIDTH", 1000)
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    yield
+    launched = [s.name for plan in _backward_plan._plans.values() for s in plan.launches]
+    assert any(name.startswith("bwd_wide") for name in launched), launched
+
+
+WIDE_WIDTHS = (1, 2, 4, 7, 8, 9, 16, 17, 31, 33, 64, 100, 129, 255, 256)
+
+
+@pytest.mark.parametrize("width", WIDE_WIDTHS)
+@pytest.mark.parametrize("layout", ("cf", "cl", "cl_slice", "time_stride2", "misaligned_cl"))
+def test_wide_widths_layouts(wide_path, width, layout):
+    """Three tiles, the last cut by the row; three channel groups, the last of 8 channels."""
+    run_bwd(2, 40, 700, width, "float32", layout=layout, seed=width)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "float16"),
+     ("float16", "float32"), ("float32", "bfloat16"), ("float64", "float64")],
+)  # fmt: skip
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("width", (5, 64, 256))
+def test_wide_dtypes(wide_path, dtype, wdtype, layout, width):
+    run_bwd(2, 24, 600, width, dtype, wdtype, layout=layout, seed=width)
+
+
+@pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("width", (3, 40, 256))
+def test_wide_features(wide_path, features, layout, width):
+    f = set(features.split("-"))
+    run_bwd(
+        3, 20, 600, width, "float32", layout=layout, bias="nobias" not in f,
+        silu="nosilu" not in f, init=bool(f & {"init", "buffers"}),
+        dfinal=bool(f & {"dfinal", "buffers"}), buffers="buffers" in f, seed=width,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 513, 1000, 5000))
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("batch,width", [(2, 17), (1, 17), (1, 256)])
+def test_wide_row_lengths(wide_path, seqlen, layout, batch, width):
+    """Rows shorter than the width, tiles cut by the row's end, L < K - 1 with states; one
+    batch row of one channel group splits into segments of two tiles (the dz after each
+    computed first)."""
+    run_bwd(batch, 16, seqlen, width, "float32", layout=layout, init=True, dfinal=True, seed=seqlen)
+    if batch == 1 and seqlen == 5000:
+        from cupyconv import _backward_plan
+
+        (plan,) = _backward_plan._plans.values()
+        f = dict(zip(_backward_plan.WIDE.plan_fields, plan.launches[0].plan_fields, strict=True))
+        assert f["seg_tiles"] == 2 and plan.n_parts == 10
+
+
+@pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
+@pytest.mark.parametrize("layout,width", [("cf", 9), ("cf", 33), ("cl", 33), ("cl", 256)])
+def test_wide_non_finite_values_reach_only_their_taps(wide_path, layout, width, silu):
+    """inf and NaN in x and dout reach only the dx, dweight and dbias whose terms include them:
+    no product of a tap past the width (the last tap block runs only its taps)."""
+    rng = np.random.default_rng(width)
+    shape = (2, 6, 1200)
+    x64, g64 = rounded(rng, shape, "float32"), rounded(rng, shape, "float32")
+    x64[0, 1, 700] = np.inf
+    x64[1, 2, 500:503] = np.nan
+    x64[1, 4, 1199] = -np.inf  # the row's last position: reaches no dz
+    g64[0, 3, 40] = -np.inf
+    g64[1, 5, 1030] = np.nan
+    w64 = rounded(rng, (6, width), "float32", scale=width**-0.5)
+    b64 = rounded(rng, (6,), "float32")
+    act = "silu" if silu else None
+    x, g = to_gpu(x64, "float32", layout), to_gpu(g64, "float32", layout)
+    w, b = to_gpu(w64, "float32"), to_gpu(b64, "float32")
+    got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
+    want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
+    grads = (GRAD_TOLERANCE[0], GRAD_TOLERANCE[1] * 2400**0.5)
+    tolerances = {"dx": tolerance("float32"), "dweight": grads, "dbias": grads}
+    for (name, (rtol, atol)), a, e in zip(tolerances.items(), got, want, strict=True):
+        a = a.double().cpu().numpy()
+        finite = np.isfinite(e)
+        assert (~finite).any() and finite.any(), name
+        np.testing.assert_allclose(a[finite], e[finite], rtol=rtol, atol=atol)
+        assert not np.isfinite(a[~finite]).any(), name
+
+
+@pytest.mark.parametrize("layout,width", [("cf", 64), ("cl", 64), ("cl", 256)])
+def test_wide_repeatable(wide_path, layout, width):
+    """Every output bitwise the same over repeated runs: segments of rows and channel groups
+    added in a fixed order."""
+    import torch
+
+    case = dict(layout=layout, init=True, dfinal=True, seed=width)
+    first = run_bwd(1, 48, 6000, width, "float32", **case)
+    for _ in range(3):
+        again = run_bwd(1, 48, 6000, width, "float32", **case)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_repeatable(layout):
     """Every output the same over repeated runs (no floating-point atomics)."""
