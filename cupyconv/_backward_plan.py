@@ -11,8 +11,9 @@ is asked for or dfinal_states given (the states' gradient, and dx at the last wi
 positions again with the final states' gradient added), and ``bwd_reduce``, which adds the
 partials in a fixed order: no floating-point atomics, every result bitwise the same from run to
 run. A call of a single part has no partials: the main kernel writes dweight and dbias itself,
-and no ``bwd_reduce`` runs. Layouts without a fast kernel take the general path: ``bwd_dz``
-writes dz into a scratch array, ``bwd_dx`` and ``bwd_weight`` read it.
+and no ``bwd_reduce`` runs. Calls no fast kernel takes run ``bwd_wide`` (CUDA cores, any
+layout, width and dtypes) without seq_idx, where its block fits the device, else the general
+path: ``bwd_dz`` writes dz into a scratch array, ``bwd_dx`` and ``bwd_weight`` read it.
 """
 
 from __future__ import annotations
