@@ -183,19 +183,24 @@ def test_empty(shape):
 MMA_WIDTHS = (2, 4, 5, 8, 9, 16, 17, 18, 31, 33, 64, 65, 129, 200, 256)
 
 
-@pytest.fixture
-def tensor_cores(monkeypatch):
-    """bwd_mma for every width it takes, whatever the dispatch threshold; the test must have
-    launched it."""
+def forced_route(monkeypatch, kernel: str, **limits):
+    """The plan's dispatch limits set to ``limits`` (fresh plan and call caches) for the test;
+    after it, the test must have launched ``kernel``."""
     from cupyconv import _backward_plan, _fast
 
-    monkeypatch.setattr(_backward_plan, "MMA_MIN_WIDTH", 2)
-    monkeypatch.setattr(_backward_plan, "MMA_CL_MIN_WIDTH", 2)
+    for name, value in limits.items():
+        monkeypatch.setattr(_backward_plan, name, value)
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     yield
     launched = [s.name for plan in _backward_plan._plans.values() for s in plan.launches]
-    assert any(name.startswith("bwd_mma") for name in launched), launched
+    assert any(name.startswith(kernel) for name in launched), launched
+
+
+@pytest.fixture
+def tensor_cores(monkeypatch):
+    """bwd_mma for every width it takes, whatever the dispatch threshold."""
+    yield from forced_route(monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2)
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)
@@ -285,24 +290,30 @@ def test_tensor_core_repeatable(tensor_cores, layout, width):
 def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layout, width, silu):
     """inf and NaN in x and dout: the tensor cores' zero band entries must not carry them to a
     dx or a dweight whose own terms do not include them."""
+    check_non_finite((2, 8 if layout == "cl" else 6, 2500), "bfloat16", layout, width, silu)
+
+
+def check_non_finite(shape, dtype, layout, width, silu):
+    """inf and NaN in x and dout reach exactly the dx, dweight and dbias entries the reference
+    has non-finite; the others match it (dweight and dbias as run_bwd checks them)."""
     rng = np.random.default_rng(width)
-    shape = (2, 8 if layout == "cl" else 6, 2500)  # batch x seqlen = 5000 terms a reduction
-    x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
-    x64[0, 1, 700] = np.inf
-    x64[1, 2, 1500:1503] = np.nan
-    x64[1, 4, 2499] = -np.inf  # the row's last position: reaches no dz
+    length = shape[2]
+    x64, g64 = rounded(rng, shape, dtype), rounded(rng, shape, dtype)
+    x64[0, 1, length * 7 // 25] = np.inf
+    x64[1, 2, length * 3 // 5 : length * 3 // 5 + 3] = np.nan
+    x64[1, 4, length - 1] = -np.inf  # the row's last position: reaches no dz
     g64[0, 3, 40] = -np.inf
-    g64[1, 5, 1030] = np.nan
-    w64 = rounded(rng, (shape[1], width), "bfloat16", scale=width**-0.5)
-    b64 = rounded(rng, (shape[1],), "bfloat16")
+    g64[1, 5, length * 103 // 250] = np.nan
+    w64 = rounded(rng, (shape[1], width), dtype, scale=width**-0.5)
+    b64 = rounded(rng, (shape[1],), dtype)
     act = "silu" if silu else None
-    x, g = to_gpu(x64, "bfloat16", layout), to_gpu(g64, "bfloat16", layout)
-    w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
+    x, g = to_gpu(x64, dtype, layout), to_gpu(g64, dtype, layout)
+    w, b = to_gpu(w64, dtype), to_gpu(b64, dtype)
     got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
     want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
-    # dweight and dbias as run_bwd checks them (bfloat16 weights: never tighter than its rtol)
-    grads = (max(GRAD_TOLERANCE[0], tolerance("bfloat16")[0]), GRAD_TOLERANCE[1] * 5000**0.5)
-    tolerances = {"dx": tolerance("bfloat16"), "dweight": grads, "dbias": grads}
+    terms = shape[0] * length
+    grads = (max(GRAD_TOLERANCE[0], tolerance(dtype)[0]), GRAD_TOLERANCE[1] * terms**0.5)
+    tolerances = {"dx": tolerance(dtype), "dweight": grads, "dbias": grads}
     for (name, (rtol, atol)), a, e in zip(tolerances.items(), got, want, strict=True):
         a = a.double().cpu().numpy()
         finite = np.isfinite(e)
@@ -316,19 +327,11 @@ def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layou
 
 @pytest.fixture
 def wide_path(monkeypatch):
-    """bwd_wide for every call without seq_idx, whatever the faster kernels would take; the
-    test must have launched it."""
-    from cupyconv import _backward_plan, _fast
-
-    monkeypatch.setattr(_backward_plan, "TIME_MAX_WIDTH", 0)
-    monkeypatch.setattr(_backward_plan, "CHANNEL_MAX_WIDTH", 0)
-    monkeypatch.setattr(_backward_plan, "MMA_MIN_WIDTH", 1000)
-    monkeypatch.setattr(_backward_plan, "MMA_CL_MIN_WIDTH", 1000)
-    monkeypatch.setattr(_backward_plan, "_plans", {})
-    monkeypatch.setattr(_fast, "_calls", {})
-    yield
-    launched = [s.name for plan in _backward_plan._plans.values() for s in plan.launches]
-    assert any(name.startswith("bwd_wide") for name in launched), launched
+    """bwd_wide for every call without seq_idx, whatever the faster kernels would take."""
+    yield from forced_route(
+        monkeypatch, "bwd_wide", TIME_MAX_WIDTH=0, CHANNEL_MAX_WIDTH=0, MMA_MIN_WIDTH=1000,
+        MMA_CL_MIN_WIDTH=1000,
+    )  # fmt: skip
 
 
 WIDE_WIDTHS = (1, 2, 4, 7, 8, 9, 16, 17, 31, 33, 64, 100, 129, 255, 256)
@@ -383,31 +386,9 @@ def test_wide_row_lengths(wide_path, seqlen, layout, batch, width):
 @pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
 @pytest.mark.parametrize("layout,width", [("cf", 9), ("cf", 33), ("cl", 33), ("cl", 256)])
 def test_wide_non_finite_values_reach_only_their_taps(wide_path, layout, width, silu):
-    """inf and NaN in x and dout reach only the dx, dweight and dbias whose terms include them:
-    no product of a tap past the width (the last tap block runs only its taps)."""
-    rng = np.random.default_rng(width)
-    shape = (2, 6, 1200)
-    x64, g64 = rounded(rng, shape, "float32"), rounded(rng, shape, "float32")
-    x64[0, 1, 700] = np.inf
-    x64[1, 2, 500:503] = np.nan
-    x64[1, 4, 1199] = -np.inf  # the row's last position: reaches no dz
-    g64[0, 3, 40] = -np.inf
-    g64[1, 5, 1030] = np.nan
-    w64 = rounded(rng, (6, width), "float32", scale=width**-0.5)
-    b64 = rounded(rng, (6,), "float32")
-    act = "silu" if silu else None
-    x, g = to_gpu(x64, "float32", layout), to_gpu(g64, "float32", layout)
-    w, b = to_gpu(w64, "float32"), to_gpu(b64, "float32")
-    got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
-    want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
-    grads = (GRAD_TOLERANCE[0], GRAD_TOLERANCE[1] * 2400**0.5)
-    tolerances = {"dx": tolerance("float32"), "dweight": grads, "dbias": grads}
-    for (name, (rtol, atol)), a, e in zip(tolerances.items(), got, want, strict=True):
-        a = a.double().cpu().numpy()
-        finite = np.isfinite(e)
-        assert (~finite).any() and finite.any(), name
-        np.testing.assert_allclose(a[finite], e[finite], rtol=rtol, atol=atol)
-        assert not np.isfinite(a[~finite]).any(), name
+    """No product of a tap past the width (the last tap block runs only its taps) nor of a
+    zero dz past the row's end."""
+    check_non_finite((2, 6, 1200), "float32", layout, width, silu)
 
 
 @pytest.mark.parametrize("layout,width", [("cf", 64), ("cl", 64), ("cl", 256)])
