@@ -148,41 +148,91 @@ __device__ __forceinline__ void lag_sums(A (&acc)[16], const A* xrow, const A* d
             [&](int i, A(&u)[8], A(&v)[8], A(&s)[8]) { block(Flag<true>(), i, u, v, s); });
 }
 
-// rows[r][e] = array[b, c0 + r, first + e] for r < WIDE_CHANNELS, e < n <= 2 WIDE_THREADS; 0
-// for channels past dim and positions past the row, before(r, e, v) for positions before it.
-// The loads of a thread go out WIDE_BATCH at a time before their stores (in flight together),
-// in the order of the array's layout: channels fastest (a thread keeps its channel) or
-// positions fastest (rows in turn).
+// rows[r][e] = array[c0 + r, first + e] (array: a batch row) for r < WIDE_CHANNELS, e < n <=
+// 2 WIDE_THREADS; 0 for channels past dim and positions past the row, before(r, e, v) for
+// positions before it. A thread's loads go out WIDE_BATCH at a time before their stores (in
+// flight together), in the order of the array's layout: channels fastest (a thread keeps its
+// channel, positions tid / CG + (THREADS / CG) u), or positions fastest (positions tid and
+// tid + THREADS, rows in turn). Addresses step from a row's pointer: a few instructions an
+// element.
 template <typename T, typename A, typename F>
 __device__ __forceinline__ void stage_rows(A* rows, int row_slots, const T* array, int64 c_stride, int64 l_stride,
                                            bool channels_fastest, int64 c0, int64 dim, int64 first, int n,
                                            int64 seqlen, F&& before) {
-    constexpr int CG = WIDE_CHANNELS, THREADS = WIDE_THREADS, BATCH = WIDE_BATCH;
-    auto batch = [&](auto&& where) {  // where(u, r, e): element u of the batch
-        A v[BATCH];
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            int r, e;
-            where(u, r, e);
-            const int64 s = first + e;
-            v[u] = e < n && c0 + r < dim && s >= 0 && s < seqlen
-                       ? A(to_acc(array[(c0 + r) * c_stride + s * l_stride]))
-                       : A(0);
-        }
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            int r, e;
-            where(u, r, e);
-            if (e < n) rows[r * row_slots + wide_slot(e)] = first + e < 0 ? before(r, e, v[u]) : v[u];
-        }
-    };
+    constexpr int CG = WIDE_CHANNELS, THREADS = WIDE_THREADS, BATCH = WIDE_BATCH, STEP = THREADS / CG;
+    // positions e inside the row: lo <= e < hi
+    const int lo = (int)max((int64)0, -first), hi = (int)max((int64)lo, min((int64)n, seqlen - first));
     if (channels_fastest) {
-        constexpr int STEP = THREADS / CG;  // positions a pass
-        for (int e0 = threadIdx.x / CG; e0 < n; e0 += STEP * BATCH)
-            batch([&](int u, int& r, int& e) { r = threadIdx.x % CG, e = e0 + STEP * u; });
+        const int r = threadIdx.x % CG, e_first = threadIdx.x / CG;
+        const bool live = c0 + r < dim;
+        const int64 step = STEP * l_stride;
+        const T* at = array + (live ? c0 + r : 0) * c_stride + (first + e_first) * l_stride;
+        A* const out = rows + r * row_slots;
+        for (int e0 = e_first; e0 < n; e0 += STEP * BATCH) {
+            A v[BATCH];
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u, at += step) {
+                const int e = e0 + STEP * u;
+                v[u] = live && e >= lo && e < hi ? A(to_acc(*at)) : A(0);
+            }
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int e = e0 + STEP * u;
+                if (e < n) out[wide_slot(e)] = e < lo ? before(r, e, v[u]) : v[u];
+            }
+        }
     } else {
-        for (int r0 = 0; r0 < CG; r0 += BATCH / 2)
-            batch([&](int u, int& r, int& e) { r = r0 + u / 2, e = threadIdx.x + THREADS * (u % 2); });
+        int e[2], slot[2];
+        bool in[2];
+        const T* at[2];  // the element of row r0
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            e[h] = threadIdx.x + THREADS * h;
+            slot[h] = wide_slot(e[h]);
+            in[h] = e[h] >= lo && e[h] < hi;
+            at[h] = array + c0 * c_stride + (first + e[h]) * l_stride;
+        }
+        const int live = (int)min((int64)CG, dim - c0);  // rows inside dim
+        for (int r0 = 0; r0 < CG; r0 += BATCH / 2) {
+            A v[BATCH];
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int h = u % 2;
+                v[u] = r0 + u / 2 < live && in[h] ? A(to_acc(*at[h])) : A(0);
+                if (h == 1) at[0] += c_stride, at[1] += c_stride;
+            }
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int r = r0 + u / 2, h = u % 2;
+                if (e[h] < n) rows[r * row_slots + slot[h]] = e[h] < lo ? before(r, e[h], v[u]) : v[u];
+            }
+        }
+    }
+}
+
+// array[c0 + r, first + e] = rows[r][e] (array: a batch row) for channels below dim and
+// positions inside the row, e < WIDE_TILE, in the order of the array's layout (as stage_rows).
+template <typename T, typename A>
+__device__ __forceinline__ void store_rows(T* array, int64 c_stride, int64 l_stride, bool channels_fastest,
+                                           const A* rows, int row_slots, int64 c0, int64 dim, int64 first,
+                                           int64 seqlen) {
+    constexpr int CG = WIDE_CHANNELS, THREADS = WIDE_THREADS, TILE = WIDE_TILE, STEP = THREADS / CG;
+    if (channels_fastest) {
+        const int r = threadIdx.x % CG, e_first = threadIdx.x / CG;
+        if (c0 + r >= dim) return;
+        const int hi = (int)min((int64)TILE, seqlen - first);  // positions inside the row
+        const int64 step = STEP * l_stride;
+        T* at = array + (c0 + r) * c_stride + (first + e_first) * l_stride;
+        const A* const in = rows + r * row_slots;
+        #pragma unroll 4
+        for (int e = e_first; e < hi; e += STEP, at += step) *at = from_acc<T>(in[wide_slot(e)]);
+    } else {
+        const int e = threadIdx.x;  // TILE == THREADS
+        if (first + e >= seqlen) return;
+        T* at = array + c0 * c_stride + (first + e) * l_stride;
+        const int live = (int)min((int64)CG, dim - c0), slot = wide_slot(e);
+        #pragma unroll 4
+        for (int r = 0; r < live; ++r, at += c_stride) *at = from_acc<T>(rows[r * row_slots + slot]);
     }
 }
 
@@ -191,6 +241,7 @@ __global__ void __launch_bounds__(WIDE_THREADS, sizeof(T) == 8 ? 1 : WIDE_BLOCKS
     using A = typename AccOf<T>::type;
     constexpr int CG = WIDE_CHANNELS, TILE = WIDE_TILE, THREADS = WIDE_THREADS;
     static_assert(CG * TILE / 16 == THREADS && CG * 16 == THREADS, "a thread per 16 outputs, a half-warp a channel");
+    static_assert(TILE == THREADS, "a tile's rows staged and stored at positions tid (+ THREADS)");
     extern __shared__ __align__(16) unsigned char smem[];
     A* const xs = reinterpret_cast<A*>(smem);
     A* const ds = reinterpret_cast<A*>(smem + p.dz_at);
@@ -223,8 +274,8 @@ __global__ void __launch_bounds__(WIDE_THREADS, sizeof(T) == 8 ? 1 : WIDE_BLOCKS
                                      (c0 + rr) * p.weight_c_stride + (K - 1 - k) * p.weight_width_stride)
                         : A(0);
         }
-        for (int q = threadIdx.x; q < CG * (K - 1); q += THREADS)  // dz past the row: 0
-            ds[q / (K - 1) * row_slots + wide_slot(TILE + q % (K - 1))] = A(0);
+        for (int e = threadIdx.x; e < K - 1; e += THREADS)  // dz past the row: 0
+            for (int rr = 0; rr < CG; ++rr) ds[rr * row_slots + wide_slot(TILE + e)] = A(0);
         const A bias_c = bias && c < dim ? load_as<A>(bias, (int)p.bias_dtype, c * p.bias_stride) : A(0);
         A dw[16] = {}, db = A(0);
         const A* const xrow = xs + r * row_slots;
@@ -274,26 +325,14 @@ __global__ void __launch_bounds__(WIDE_THREADS, sizeof(T) == 8 ? 1 : WIDE_BLOCKS
                 #pragma unroll
                 for (int j = 0; j < 16; ++j) xs[r * row_slots + wide_slot(16 * g + j)] = acc[j];
                 __syncthreads();
-                auto store = [&](int rr, int e) {
-                    const int64 s = t0 + e, ch = c0 + rr;
-                    if (ch < dim && s < seqlen)
-                        dx[b * p.dx_batch_stride + ch * p.dx_c_stride + s * p.dx_l_stride] =
-                            from_acc<T>(xs[rr * row_slots + wide_slot(e)]);
-                };
-                if (p.dx_channels_fastest) {
-                    for (int q = threadIdx.x; q < CG * TILE; q += THREADS) store(q % CG, q / CG);
-                } else {
-                    for (int rr = 0; rr < CG; ++rr)
-                        for (int e = threadIdx.x; e < TILE; e += THREADS) store(rr, e);
-                }
+                store_rows(dx + b * p.dx_batch_stride, p.dx_c_stride, p.dx_l_stride, p.dx_channels_fastest, xs,
+                           row_slots, c0, dim, t0, seqlen);
             }
             // this tile's first K-1 dz are the ones past the tile before
-            for (int q = threadIdx.x; q < CG * (K - 1); q += THREADS) {
-                const int rr = q / (K - 1), e = q % (K - 1);
-                const A v = ds[rr * row_slots + wide_slot(e)];
-                // every reader of position e is done (barrier above); TILE + e > every e read
-                ds[rr * row_slots + wide_slot(TILE + e)] = v;
-            }
+            // (every reader of position e is done: barrier above; TILE + e > every e read)
+            for (int e = threadIdx.x; e < K - 1; e += THREADS)
+                for (int rr = 0; rr < CG; ++rr)
+                    ds[rr * row_slots + wide_slot(TILE + e)] = ds[rr * row_slots + wide_slot(e)];
         }
 
         // dweight: the position ranges' shares added in order through the x rows; dbias over
