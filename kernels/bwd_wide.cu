@@ -19,8 +19,9 @@
 //                 dz[t] x[t-(K-1)+k] over its positions, held over the item;
 //   dx            thread (r, g): sum_m w[K-1-m] dz[s+m], through shared memory to dx in the
 //                 order of its layout (p.dx_channels_fastest).
-// The last tap block of a sum runs only its K mod 8 taps: no product of a tap that does not
-// exist (a NaN or inf input reaches only the sums that see it). At the item's end the dweight
+// The last tap block of a sum runs only its K mod 8 taps, and the dweight sums stop at the
+// row's end: no product of a tap that does not exist, nor of a zero dz past the row (a NaN or
+// inf input reaches only the sums that see it). At the item's end the dweight
 // shares are added over the position ranges, dbias over the channel's 16 threads, in a fixed
 // order, and written as part (b, segment) of the partials.
 //
