@@ -55,7 +55,7 @@ CONSTANTS = {
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
 }
-TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma, or the general path)
+TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
 # the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
 # backward from width 9"), and below CHANNEL_WIDE_FROM without (then bwd_wide: at width 16,
@@ -255,7 +255,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     if batch * seqlen == 0:
         return _finish([], x, width, states, 0, None)
     t = C_TYPES[x.dtype_name]
-    _, x_c, x_l = x.strides
+    x_c = x.strides[1]
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
         return _plan_mma(x, dout, dx, width, states, device)
