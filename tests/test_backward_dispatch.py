@@ -337,11 +337,13 @@ def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
-def test_wide_plan_fits_the_device(monkeypatch, limit):
-    """Every width 1 to 256 x dtype x row length on layouts no faster kernel takes: bwd_wide
-    where its block fits the opt-in limit (rows of x and dz that reach every window read,
-    16-byte aligned areas in order), else the general path; segments of at least two tiles,
-    covering the row, and only while the items would not fill the device twice."""
+@pytest.mark.parametrize("layout", ("step2", "cf", "cl"))
+def test_wide_plan_fits_the_device(monkeypatch, limit, layout):
+    """Every width 1 to 256 x dtype x row length x layout: bwd_time (time-contiguous) and
+    bwd_channel (channel-contiguous) where they serve, else bwd_wide where its block fits the
+    opt-in limit (rows of x and dz that reach every window read, 16-byte aligned areas in
+    order, x's order), else the general path; segments of at least two tiles, covering the
+    row, and only while the items would not fill the device twice."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
@@ -351,13 +353,23 @@ def test_wide_plan_fits_the_device(monkeypatch, limit):
     for dtype in (np.float16, np.float32, np.float64):
         acc = 8 if dtype is np.float64 else 4
         for batch, dim, seqlen in ((2, 40, 300), (1, 16, 5000), (1, 16, 700), (4, 8, 3)):
-            strides = (dim * seqlen * 2, 2 * seqlen, 2)  # every other step
+            strides = {
+                "step2": (dim * seqlen * 2, 2 * seqlen, 2),  # every other step
+                "cf": (dim * seqlen, seqlen, 1),
+                "cl": (dim * seqlen, 1, dim),
+            }[layout]
             x = _arrays.describe(FakeCudaArray((batch, dim, seqlen), strides, dtype), "x")
             name = np.dtype(dtype).name
             for width in range(1, 257):
                 plan = _backward_plan.plan_backward(x, x, x, width, False, False, name, 0)
                 main = plan.launches[0]
                 where = f"{np.dtype(dtype).name} {(batch, dim, seqlen)} width {width}"
+                if layout == "cf" and width <= _backward_plan.TIME_MAX_WIDTH:
+                    assert main.name.startswith("bwd_time"), where
+                    continue
+                if layout == "cl" and width < _backward_plan.CHANNEL_WIDE_FROM:
+                    assert main.name.startswith("bwd_channel"), where
+                    continue
                 if not main.name.startswith("bwd_wide"):
                     assert main.name.startswith("bwd_dz"), where
                     general.add((np.dtype(dtype).name, width))
@@ -372,7 +384,8 @@ def test_wide_plan_fits_the_device(monkeypatch, limit):
                 assert f["rtaps_at"] == f["taps_at"] + channels * f["tap_slots"] * acc, where
                 assert all(f[k] % 16 == 0 for k in ("dz_at", "taps_at", "rtaps_at")), where
                 assert main.smem == f["rtaps_at"] + channels * f["tap_slots"] * acc <= limit, where
-                assert main.block == (c["WIDE_THREADS"], 1) and f["x_channels_fastest"] == 0, where
+                cl = layout == "cl" and seqlen > 1
+                assert main.block == (c["WIDE_THREADS"], 1) and f["x_channels_fastest"] == cl, where
                 tiles = -(-seqlen // tile)
                 segments = -(-tiles // f["seg_tiles"])
                 assert f["seg_tiles"] >= min(2, tiles) and plan.n_parts == batch * segments, where
