@@ -19,10 +19,14 @@ import dataclasses
 from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES, Source
 from ._launch import (
+    BANK_PAD,
+    BANK_RUN,
     MAX_GRID,
     Kernel,
     Launch,
     ParamBlock,
+    acc_bytes,
+    bank_padded,
     bind_sources,
     blocks_fit,
     dtype_code,
@@ -40,8 +44,8 @@ CONSTANTS = {
     "TIME_WIDE_THREADS": 128,  # fwd_time_wide: threads per block (rows x threads per row)
     "TIME_WIDE_BYTES": 32,  # fwd_time_wide: bytes of a thread's outputs (8 float32 outputs)
     "TIME_WIDE_CHUNK": 16,  # fwd_time_wide: taps per chunk (taps are zero-padded to chunks)
-    "TIME_WIDE_BANK_RUN": 32,  # fwd_time_wide: a staged row gains TIME_WIDE_BANK_PAD slots
-    "TIME_WIDE_BANK_PAD": 4,  # every TIME_WIDE_BANK_RUN slots (no bank conflicts)
+    "TIME_WIDE_BANK_RUN": BANK_RUN,  # fwd_time_wide: a staged row's bank padding
+    "TIME_WIDE_BANK_PAD": BANK_PAD,  # (_launch.bank_padded)
     "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
     "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
@@ -330,23 +334,18 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     )  # fmt: skip
 
 
-def _bank_padded(slots: int) -> int:
-    """fwd_time_wide's ``padded``: slot index after the bank padding."""
-    return slots + slots // CONSTANTS["TIME_WIDE_BANK_RUN"] * CONSTANTS["TIME_WIDE_BANK_PAD"]
-
-
 def _plan_time_wide(x, out, width, has_seq, name, itemsize) -> Launch:
     """Rows of the tile, threads per row, and the block's shared memory: each row's slots (its
     K-1 halo rounded up to 4, the tile, padding), then each row's zero-padded taps, then (with
     seq_idx) each row's segment ids."""
     batch, dim, seqlen = x.shape
     n = CONSTANTS["TIME_WIDE_BYTES"] // itemsize  # outputs per thread
-    acc = 8 if itemsize == 8 else 4
+    acc = acc_bytes(itemsize)
     chunk, threads = CONSTANTS["TIME_WIDE_CHUNK"], CONSTANTS["TIME_WIDE_THREADS"]
     per_row = min(threads, _pow2_at_least(-(-seqlen // n)))  # threads per row
     halo = (width - 1 + 3) // 4 * 4
     taps = -(-(halo + 1) // chunk) * chunk
-    row_slots = _bank_padded(-(-(taps + per_row * n) // 32) * 32)
+    row_slots = bank_padded(-(-(taps + per_row * n) // 32) * 32)
     row_bytes = (row_slots + taps) * acc + (row_slots * 8 if has_seq else 0)
     rows = threads // per_row
     while rows > 1 and rows * row_bytes > TIME_WIDE_SMEM_BUDGET:
@@ -388,7 +387,7 @@ def _plan_channel_wide(x, width, name, itemsize, device) -> Launch | None:
     allows a block (float64 from width 199 on sm_80 and from width 71 on sm_86 and sm_89): the
     general kernel then."""
     batch, dim, seqlen = x.shape
-    acc = 8 if itemsize == 8 else 4
+    acc = acc_bytes(itemsize)
     steps, channels = CONSTANTS["CHANNEL_WIDE_STEPS"], CONSTANTS["CHANNEL_WIDE_CHANNELS"]
     weights_at = (steps + width - 1) * channels * acc
     smem = weights_at + width * channels * acc

@@ -306,6 +306,22 @@ def shared_memory_limit(device: int) -> int:
     return limit
 
 
+# Shared-memory rows of 4- or 8-byte values that threads read in 16-byte windows a fixed number
+# of slots apart gain BANK_PAD slots every BANK_RUN (fwd_time_wide, bwd_wide): the reads of a
+# quarter warp then hit distinct banks.
+BANK_RUN, BANK_PAD = 32, 4
+
+
+def bank_padded(slots: int) -> int:
+    """Slot ``slots`` of such a row after the padding (the kernels' ``padded`` / ``wide_slot``)."""
+    return slots + slots // BANK_RUN * BANK_PAD
+
+
+def acc_bytes(itemsize: int) -> int:
+    """Bytes of the accumulation type of x's dtype (double for float64, else float)."""
+    return 8 if itemsize == 8 else 4
+
+
 def mma_steps(width: int) -> int:
     """KS of the tensor-core kernels (fwd_mma, bwd_mma; ``ToeplitzTaps`` in
     kernels/mma_common.cuh) for filters of ``width`` >= 2: k-steps of 16 window inputs, with
