@@ -75,6 +75,9 @@ MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 
 # bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
+# bwd_time: a warp takes runs of up to TIME_RUN chunks of a channel (taps loaded and dweight
+# summed once a run), as long as the call keeps TIME_MIN_RUNS runs.
+TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
 # channel vector) by itemsize.
 CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
@@ -109,7 +112,10 @@ _SCRATCH = ("scratch_batch_stride", "scratch_c_stride", "scratch_l_stride")
 
 TIME = Kernel(
     "bwd_time", "bwd_time.cu", "BwdTimeParams",
-    ("x_aligned", "dout_aligned", "dx_aligned", "chunk_divisor", "dim_divisor"),
+    (
+        "x_aligned", "dout_aligned", "dx_aligned", "chunk_divisor", "dim_divisor", "runs",
+        "run_chunks",
+    ),
 )  # fmt: skip
 CHANNEL = Kernel(
     "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
@@ -304,15 +310,19 @@ def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     chunk = TIME_SHORT_CHUNK if seqlen * itemsize <= TIME_SHORT_ROW else TIME_LONG_CHUNK
     vectors, warps = chunk
-    per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks, one per warp
-    grid = _grid(batch * dim * per_row, warps)
+    per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks of a row
+    run = TIME_RUN
+    while run > 1 and dim * -(-batch * per_row // run) < TIME_MIN_RUNS:
+        run //= 2
+    runs = -(-batch * per_row // run)  # a channel's runs, one per warp
+    grid = _grid(dim * runs, warps)
     launch = TIME.launch(
         _time_name(x.dtype_name, width, has_seq, chunk), grid, (32 * warps, 1),
         x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
         dx_aligned=rows_aligned(dx, 2), chunk_divisor=fast_divisor(per_row),
-        dim_divisor=fast_divisor(dim),
+        dim_divisor=fast_divisor(dim), runs=runs, run_chunks=run,
     )  # fmt: skip
-    return _finish([launch], x, width, states, batch * per_row, None)
+    return _finish([launch], x, width, states, runs, None)
 
 
 def _mma_layout(span: int, steps: int) -> dict:

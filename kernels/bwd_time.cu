@@ -2,20 +2,24 @@
 //
 //   bwd_time<T, K, SEQ, NV, WARPS>
 //       width K <= the plan's TIME_MAX_WIDTH. Rows are cut into chunks of 32 NV vectors of VN
-//       elements (16 bytes each), one chunk per warp, WARPS warps a block, handed out in order
-//       (chunks of a row, then rows). SEQ says whether seq_idx is given.
+//       elements (16 bytes each), and a channel's chunks (batch row by batch row) into
+//       p.runs runs of p.run_chunks. A warp takes a run (WARPS warps a block; the channels of
+//       a run, then the runs, handed out in order) and its chunks one after the other: the
+//       channel's taps loaded once, its dweight / dbias sums carried over them. SEQ says
+//       whether seq_idx is given.
 //
-// A warp stages its chunk of x with HV vectors on each side (HV VN >= K-1) and its chunk of
-// dout with HV vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that
-// are misaligned, strided or cut mid-vector element by element), then lane l computes the
-// vectors l, l + 32, ... of the chunk: dz at its vector's VN positions (the pre-activation
-// recomputed from x; the vector's VN SiLU derivatives in one branch, so that they interleave),
-// the K-1 values of dz after them from the next lanes by shuffles, dx at its VN positions, and
-// its share of the chunk's dweight / dbias sums. The warp adds the lanes' shares in a fixed tree and lane 0 writes them
-// as part (b, chunk) of the partials. Positions before the row are initial_states (zeros
-// without them); dz past the row's end is 0. The chunk index is divided by the plan's fast
-// divisors p.chunk_divisor (chunks per row) and p.dim_divisor. p.x_aligned / p.dout_aligned /
-// p.dx_aligned: rows time-contiguous and starting on 16-byte boundaries.
+// For a chunk, the warp stages x with HV vectors on each side (HV VN >= K-1) and dout with HV
+// vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that are
+// misaligned, strided or cut mid-vector element by element), then lane l computes the vectors
+// l, l + 32, ... of the chunk: dz at its vector's VN positions (the pre-activation recomputed
+// from x; the vector's VN SiLU derivatives in one branch, so that they interleave), the K-1
+// values of dz after them from the next lanes by shuffles, dx at its VN positions, and its
+// share of the dweight / dbias sums. After the run the warp adds the lanes' shares in a fixed
+// tree and lane 0 writes them as part `run` of the partials. Positions before the row are
+// initial_states (zeros without them); dz past the row's end is 0. The work item is divided by
+// the plan's fast divisors p.dim_divisor and the run's first chunk by p.chunk_divisor (chunks
+// per row). p.x_aligned / p.dout_aligned / p.dx_aligned: rows time-contiguous and starting on
+// 16-byte boundaries.
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int NV, int WARPS>
@@ -26,7 +30,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
                 dout_batch_stride = p.dout_batch_stride, dout_c_stride = p.dout_c_stride,
                 dout_l_stride = p.dout_l_stride, dx_batch_stride = p.dx_batch_stride, dx_c_stride = p.dx_c_stride,
-                dx_l_stride = p.dx_l_stride, chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor;
+                dx_l_stride = p.dx_l_stride, chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor,
+                runs = p.runs, run_chunks = p.run_chunks;
     const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
               x_aligned = (int)p.x_aligned, dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned;
     using Raw = typename Vec<T>::Raw;
@@ -37,56 +42,18 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
     constexpr int span = 32 * NV * VN;         // elements per chunk
     constexpr int XV = 32 * NV + 2 * HV, DV = 32 * NV + HV;  // staged vectors of x and dout
     const int lane = threadIdx.x & 31;
-    const int64 chunks_per_row = (seqlen + span - 1) / span;
-    const int64 n_chunks = batch * dim * chunks_per_row;
+    const int64 chunks_per_row = (seqlen + span - 1) / span, row_chunks = batch * chunks_per_row;
     __shared__ Raw stage_mem[WARPS][XV + DV];
     Raw* const xs = stage_mem[threadIdx.x / 32];
     Raw* const ds = xs + XV;
 
-    for (int64 g = grid_warp(); g < n_chunks; g += grid_warps()) {
-        int64 row, chunk, b, c;
-        divmod_fast(g, chunks_per_row, chunk_divisor, row, chunk);
-        divmod_fast(row, dim, dim_divisor, b, c);
-        const int64 start = chunk * span;
-        const int n = (int)min(seqlen - start, (int64)span);  // positions of the chunk in the row
-        const T* const xr = x + b * x_batch_stride + c * x_c_stride;
-        const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
-        T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
-        const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
-
-        __syncwarp();  // the stage's last readers are done
-        // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ..
-        if (x_aligned && whole) {
-            #pragma unroll
-            for (int r = 0; r < (XV + 31) / 32; ++r) {
-                const int v = 32 * r + lane;
-                const int64 pos = start + (int64)(v - HV) * VN;
-                const bool in_row = pos >= 0 && pos < seqlen;
-                if (v < XV) cp_async<16>(xs + v, in_row ? xr + pos : xr, in_row ? 16 : 0);
-            }
-        } else {
-            T* const e = reinterpret_cast<T*>(xs);
-            for (int q = lane; q < XV * VN; q += 32) {
-                const int64 pos = start - HE + q;
-                e[q] = pos >= 0 && pos < seqlen ? xr[pos * x_l_stride] : T();
-            }
-        }
-        if (dout_aligned && whole) {
-            #pragma unroll
-            for (int r = 0; r < (DV + 31) / 32; ++r) {
-                const int v = 32 * r + lane;
-                const int64 pos = start + (int64)v * VN;
-                const bool in_row = pos < seqlen;
-                if (v < DV) cp_async<16>(ds + v, in_row ? dr + pos : dr, in_row ? 16 : 0);
-            }
-        } else {
-            T* const e = reinterpret_cast<T*>(ds);
-            for (int q = lane; q < DV * VN; q += 32) {
-                const int64 pos = start + q;
-                e[q] = pos < seqlen ? dr[pos * dout_l_stride] : T();
-            }
-        }
-        cp_async_commit();
+    const int64 n_runs = dim * runs;
+    for (int64 g = grid_warp(); g < n_runs; g += grid_warps()) {
+        int64 c, run, b, chunk;
+        divmod_fast(g, dim, dim_divisor, run, c);
+        const int64 first = run * run_chunks;  // the run's chunks, first .. of the channel's
+        int left = (int)min((int64)run_chunks, row_chunks - first);
+        divmod_fast(first, chunks_per_row, chunk_divisor, b, chunk);
         // Lane k < K loads tap k, lane K the bias; every lane gets all of them by shuffles.
         const bool tap = lane < K;
         const void* const param = tap ? weight : bias;
@@ -94,168 +61,218 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
         if (lane <= K && param)
             mine = load_as<A>(param, tap ? weight_dtype : bias_dtype,
                               tap ? c * weight_c_stride + lane * weight_width_stride : c * bias_stride);
-        A w[K];
-        #pragma unroll
-        for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
-        const A bias_c = __shfl_sync(0xffffffffu, mine, K);
-        cp_async_wait<0>();
-        __syncwarp();
+        A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c] over the run
+        A w[K], bias_c;
+        for (bool first_chunk = true;; first_chunk = false) {  // chunk `chunk` of row b
+            const int64 start = chunk * span;
+            const int n = (int)min(seqlen - start, (int64)span);  // the chunk's positions in the row
+            const T* const xr = x + b * x_batch_stride + c * x_c_stride;
+            const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
+            T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
+            const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
 
-        A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c]
-        // The chunk, compiled twice: TAIL (the row ends inside the chunk: every position is
-        // checked against it) and not.
-        auto chunk_body = [&](auto tail_flag) {
-            constexpr bool TAIL = decltype(tail_flag)::value;
-            // dz at the VN positions of chunk vector q (start + q VN ..), from the staged x (the
-            // K-1 inputs before them too) and dout, 0 past the row; adds their dweight / dbias terms.
-            auto dz_vector = [&](int q, A (&dz)[VN]) {
-                const int i = q * VN, limit = TAIL ? n - i : VN;
-                A xw[HE + VN];  // x at positions start + i - HE ..
+            __syncwarp();  // the stage's last readers are done
+            // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ..
+            if (x_aligned && whole) {
                 #pragma unroll
-                for (int h = 0; h <= HV; ++h) {
-                    Vec<T> v;
-                    v.raw = xs[q + h];
-                    widen<T, A, VN>(v.e, xw + h * VN);
+                for (int r = 0; r < (XV + 31) / 32; ++r) {
+                    const int v = 32 * r + lane;
+                    const int64 pos = start + (int64)(v - HV) * VN;
+                    const bool in_row = pos >= 0 && pos < seqlen;
+                    if (v < XV) cp_async<16>(xs + v, in_row ? xr + pos : xr, in_row ? 16 : 0);
                 }
-                if (initial_states && start + i < K - 1) {  // positions before the row
+            } else {
+                T* const e = reinterpret_cast<T*>(xs);
+                for (int q = lane; q < XV * VN; q += 32) {
+                    const int64 pos = start - HE + q;
+                    e[q] = pos >= 0 && pos < seqlen ? xr[pos * x_l_stride] : T();
+                }
+            }
+            if (dout_aligned && whole) {
+                #pragma unroll
+                for (int r = 0; r < (DV + 31) / 32; ++r) {
+                    const int v = 32 * r + lane;
+                    const int64 pos = start + (int64)v * VN;
+                    const bool in_row = pos < seqlen;
+                    if (v < DV) cp_async<16>(ds + v, in_row ? dr + pos : dr, in_row ? 16 : 0);
+                }
+            } else {
+                T* const e = reinterpret_cast<T*>(ds);
+                for (int q = lane; q < DV * VN; q += 32) {
+                    const int64 pos = start + q;
+                    e[q] = pos < seqlen ? dr[pos * dout_l_stride] : T();
+                }
+            }
+            cp_async_commit();
+            if (first_chunk) {
+                #pragma unroll
+                for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
+                bias_c = __shfl_sync(0xffffffffu, mine, K);
+            }
+            cp_async_wait<0>();
+            __syncwarp();
+            // The chunk, compiled twice: TAIL (the row ends inside the chunk: every position is
+            // checked against it) and not.
+            auto chunk_body = [&](auto tail_flag) {
+                constexpr bool TAIL = decltype(tail_flag)::value;
+                // dz at the VN positions of chunk vector q (start + q VN ..), from the staged x
+                // (the K-1 inputs before them too) and dout, 0 past the row; adds their dweight /
+                // dbias terms.
+                auto dz_vector = [&](int q, A (&dz)[VN]) {
+                    const int i = q * VN, limit = TAIL ? n - i : VN;
+                    A xw[HE + VN];  // x at positions start + i - HE ..
                     #pragma unroll
-                    for (int u = OFF; u < HE; ++u) {
-                        const int64 pos = start + i - HE + u;
-                        if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
+                    for (int h = 0; h <= HV; ++h) {
+                        Vec<T> v;
+                        v.raw = xs[q + h];
+                        widen<T, A, VN>(v.e, xw + h * VN);
                     }
-                }
-                Vec<T> dv;
-                dv.raw = ds[q];
-                A go[VN];
-                widen<T, A, VN>(dv.e, go);
-                int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
-                if constexpr (SEQ) {
-                    #pragma unroll
-                    for (int u = 0; u < VN + K - 1; ++u) {
-                        const int64 pos = start + i - (K - 1) + u;
-                        ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                    if (initial_states && start + i < K - 1) {  // positions before the row
+                        #pragma unroll
+                        for (int u = OFF; u < HE; ++u) {
+                            const int64 pos = start + i - HE + u;
+                            if (pos < 0) xw[u] = input_at<A>(x, initial_states, p, b, c, pos);
+                        }
                     }
-                }
-                if (silu_act) {  // one branch for the vector: its VN derivatives interleave
+                    Vec<T> dv;
+                    dv.raw = ds[q];
+                    A go[VN];
+                    widen<T, A, VN>(dv.e, go);
+                    int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i - (K-1) ..
+                    if constexpr (SEQ) {
+                        #pragma unroll
+                        for (int u = 0; u < VN + K - 1; ++u) {
+                            const int64 pos = start + i - (K - 1) + u;
+                            ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                        }
+                    }
+                    if (silu_act) {  // one branch for the vector: its VN derivatives interleave
+                        #pragma unroll
+                        for (int o = 0; o < VN; ++o) {
+                            A z = bias_c;
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) {
+                                if constexpr (SEQ) {
+                                    if (ids[o + k] == ids[o + K - 1]) z += w[k] * xw[OFF + o + k];
+                                } else {
+                                    z += w[k] * xw[OFF + o + k];
+                                }
+                            }
+                            go[o] *= silu_grad(z);
+                        }
+                    }
                     #pragma unroll
                     for (int o = 0; o < VN; ++o) {
+                        A gm = go[o];
+                        if constexpr (SEQ) {
+                            if (ids[o + K - 1] < 0) gm = A(0);  // padding
+                        }
+                        dz[o] = !TAIL || o < limit ? gm : A(0);
+                        if (!TAIL || o < limit) {
+                            #pragma unroll
+                            for (int k = 0; k < K; ++k) {
+                                if constexpr (SEQ) {
+                                    if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
+                                } else {
+                                    dw[k] += dz[o] * xw[OFF + o + k];
+                                }
+                            }
+                            dw[K] += dz[o];
+                        }
+                    }
+                };
+                // dz at the K-1 positions after the chunk (lane u < K-1: start + span + u), for the dx
+                // of the chunk's last positions; read from the stages element by element.
+                A tail = A(0);
+                if (lane < K - 1 && start + span + lane < seqlen) {
+                    const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
+                    const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
+                    const int64 t = start + span + lane;
+                    const int64 sid = SEQ ? segment_id(seq_idx, p, b, t) : 0;
+                    A gm = A(to_acc(de[span + lane]));
+                    if (silu_act) {
                         A z = bias_c;
                         #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if constexpr (SEQ) {
-                                if (ids[o + k] == ids[o + K - 1]) z += w[k] * xw[OFF + o + k];
-                            } else {
-                                z += w[k] * xw[OFF + o + k];
-                            }
-                        }
-                        go[o] *= silu_grad(z);
+                        for (int k = 0; k < K; ++k)
+                            if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
+                                z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
+                        gm *= silu_grad(z);
                     }
+                    tail = sid < 0 ? A(0) : gm;
                 }
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) {
-                    A gm = go[o];
-                    if constexpr (SEQ) {
-                        if (ids[o + K - 1] < 0) gm = A(0);  // padding
-                    }
-                    dz[o] = !TAIL || o < limit ? gm : A(0);
-                    if (!TAIL || o < limit) {
-                        #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if constexpr (SEQ) {
-                                if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
-                            } else {
-                                dw[k] += dz[o] * xw[OFF + o + k];
-                            }
-                        }
-                        dw[K] += dz[o];
-                    }
-                }
-            };
-            // dz at the K-1 positions after the chunk (lane u < K-1: start + span + u), for the dx
-            // of the chunk's last positions; read from the stages element by element.
-            A tail = A(0);
-            if (lane < K - 1 && start + span + lane < seqlen) {
-                const T* const xe = reinterpret_cast<const T*>(xs);  // element e: start - HE + e
-                const T* const de = reinterpret_cast<const T*>(ds);  // element e: start + e
-                const int64 t = start + span + lane;
-                const int64 sid = SEQ ? segment_id(seq_idx, p, b, t) : 0;
-                A gm = A(to_acc(de[span + lane]));
-                if (silu_act) {
-                    A z = bias_c;
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k)
-                        if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
-                            z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
-                    gm *= silu_grad(z);
-                }
-                tail = sid < 0 ? A(0) : gm;
-            }
 
-            A cur[VN], nxt[VN];
-            dz_vector(lane, cur);
-            #pragma unroll 2
-            for (int j = 0; j < NV; ++j) {
-                const int q = 32 * j + lane, i = q * VN;
-                if (j + 1 < NV) dz_vector(q + 32, nxt);
-                // dz at positions start + i .. start + i + VN + K - 2: this vector's, then the K-1
-                // after it from the lanes that computed them (each source lane sends the value its
-                // reader needs), then, past the chunk, the tail values.
-                A win[VN + K - 1];
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) win[o] = cur[o];
-                #pragma unroll
-                for (int u = 0; u < K - 1; ++u) {
-                    const int h = 1 + u / VN, o = u % VN;  // vector q + h, element o
-                    win[VN + u] = __shfl_sync(0xffffffffu, lane < h && j + 1 < NV ? nxt[o] : cur[o], (lane + h) & 31);
-                }
-                if (j == NV - 1) {
+                A cur[VN], nxt[VN];
+                dz_vector(lane, cur);
+                #pragma unroll 2
+                for (int j = 0; j < NV; ++j) {
+                    const int q = 32 * j + lane, i = q * VN;
+                    if (j + 1 < NV) dz_vector(q + 32, nxt);
+                    // dz at positions start + i .. start + i + VN + K - 2: this vector's, then the K-1
+                    // after it from the lanes that computed them (each source lane sends the value its
+                    // reader needs), then, past the chunk, the tail values.
+                    A win[VN + K - 1];
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o) win[o] = cur[o];
                     #pragma unroll
                     for (int u = 0; u < K - 1; ++u) {
-                        const int off = i + VN + u - span;  // >= 0: past the chunk
-                        const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
-                        if (off >= 0) win[VN + u] = t;
+                        const int h = 1 + u / VN, o = u % VN;  // vector q + h, element o
+                        const A sent = lane < h && j + 1 < NV ? nxt[o] : cur[o];
+                        win[VN + u] = __shfl_sync(0xffffffffu, sent, (lane + h) & 31);
                     }
-                }
-                int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
-                if constexpr (SEQ) {
-                    #pragma unroll
-                    for (int u = 0; u < VN + K - 1; ++u) {
-                        const int64 pos = start + i + u;
-                        ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
-                    }
-                }
-                A acc[VN];
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) {
-                    acc[o] = A(0);
-                    #pragma unroll
-                    for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
-                        if constexpr (SEQ) {
-                            if (ids[o] == ids[o + K - 1 - k]) acc[o] += w[k] * win[o + K - 1 - k];
-                        } else {
-                            acc[o] += w[k] * win[o + K - 1 - k];
+                    if (j == NV - 1) {
+                        #pragma unroll
+                        for (int u = 0; u < K - 1; ++u) {
+                            const int off = i + VN + u - span;  // >= 0: past the chunk
+                            const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
+                            if (off >= 0) win[VN + u] = t;
                         }
                     }
-                }
-                const int limit = TAIL ? n - i : VN;
-                if (!TAIL || limit > 0) {
-                    Vec<T> res;
-                    #pragma unroll
-                    for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
-                    if (dx_aligned && (!TAIL || whole)) {
-                        reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
-                    } else {
+                    int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
+                    if constexpr (SEQ) {
                         #pragma unroll
-                        for (int o = 0; o < VN; ++o)
-                            if (!TAIL || o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                        for (int u = 0; u < VN + K - 1; ++u) {
+                            const int64 pos = start + i + u;
+                            ids[u] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
+                        }
                     }
+                    A acc[VN];
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o) {
+                        acc[o] = A(0);
+                        #pragma unroll
+                        for (int k = 0; k < K; ++k) {  // the output at o + (K-1) - k sees o through tap k
+                            if constexpr (SEQ) {
+                                if (ids[o] == ids[o + K - 1 - k]) acc[o] += w[k] * win[o + K - 1 - k];
+                            } else {
+                                acc[o] += w[k] * win[o + K - 1 - k];
+                            }
+                        }
+                    }
+                    const int limit = TAIL ? n - i : VN;
+                    if (!TAIL || limit > 0) {
+                        Vec<T> res;
+                        #pragma unroll
+                        for (int o = 0; o < VN; ++o) res.e[o] = from_acc<T>(acc[o]);
+                        if (dx_aligned && (!TAIL || whole)) {
+                            reinterpret_cast<Raw*>(dxr + start)[q] = res.raw;
+                        } else {
+                            #pragma unroll
+                            for (int o = 0; o < VN; ++o)
+                                if (!TAIL || o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
+                        }
+                    }
+                    #pragma unroll
+                    for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
                 }
-                #pragma unroll
-                for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
+            };
+            if (n < span) chunk_body(Flag<true>());
+            else chunk_body(Flag<false>());
+            if (--left == 0) break;
+            if (++chunk == chunks_per_row) {
+                chunk = 0;
+                ++b;
             }
-        };
-        if (n < span) chunk_body(Flag<true>());
-        else chunk_body(Flag<false>());
+        }
         #pragma unroll
         for (int k = 0; k <= K; ++k) {
             #pragma unroll
@@ -263,7 +280,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
         }
         if (lane == 0) {
             #pragma unroll
-            for (int k = 0; k <= K; ++k) write_sum(partials, dweight, dbias, p, b * chunks_per_row + chunk, c, k, dw[k]);
+            for (int k = 0; k <= K; ++k) write_sum(partials, dweight, dbias, p, run, c, k, dw[k]);
         }
     }
 }

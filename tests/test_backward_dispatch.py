@@ -121,6 +121,25 @@ def test_partials_and_scratch(launches):
 
 
 @pytest.mark.parametrize(
+    "shape,run",
+    [((8, 5120, 2048), 2), ((1, 4096, 16384), 2), ((64, 1024, 512), 4), ((256, 4096, 64), 8),
+     ((3, 64, 5000), 1), ((1, 256, 512), 1)],
+)  # fmt: skip
+def test_time_runs(launches, shape, run):
+    """bwd_time's warps take runs of up to TIME_RUN chunks of a channel, halved while the call
+    would have fewer than TIME_MIN_RUNS runs; one part of the partials a run."""
+    batch, dim, seqlen = shape
+    call(FakeCudaArray(shape, dtype=np.float16), 4)
+    (name, plan, params) = launches["launches"][0]
+    f = dict(zip(_backward_plan.TIME.plan_fields, plan.plan_fields, strict=True))
+    chunks = batch * -(-seqlen // (512 if seqlen <= 512 else 2048))  # a channel's
+    assert name.startswith("bwd_time") and f["run_chunks"] == run
+    assert f["runs"] == params["n_parts"] == -(-chunks // run)
+    assert plan.grid == -(-dim * f["runs"] // (plan.block[0] // 32))
+    assert f["dim_divisor"] == _launch.fast_divisor(dim)
+
+
+@pytest.mark.parametrize(
     "x,width,main",
     [(cf(1, 64, 300), 4, "bwd_time"), (cl(1, 64, 16), 4, "bwd_channel"),
      (cl(1, 64, 300), 20, "bwd_wide")],

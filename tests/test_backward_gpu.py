@@ -404,6 +404,53 @@ def test_wide_repeatable(wide_path, layout, width):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+# ---- bwd_time: runs of a channel's chunks, one warp each -------------------------------------
+
+
+@pytest.fixture
+def time_runs(monkeypatch):
+    """bwd_time's runs of TIME_RUN chunks for every call, however few runs it then has (and
+    bwd_time for bfloat16 x of any width)."""
+    yield from forced_route(monkeypatch, "bwd_time", TIME_MIN_RUNS=1, MMA_MIN_WIDTH=1000)
+
+
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+@pytest.mark.parametrize("width", (1, 4, 8, 16))
+@pytest.mark.parametrize("dtype,seqlen", [("float32", 250), ("float32", 2100), ("bfloat16", 600)])
+def test_time_runs(time_runs, layout, width, dtype, seqlen):
+    """Runs of 8 chunks across batch rows (5 rows of 1 or 3 chunks: runs end inside a row and
+    at the call's end), chunks cut by the row's end, one-chunk rows."""
+    run_bwd(5, 7, seqlen, width, dtype, layout=layout, init=True, dfinal=True, seed=width)
+    from cupyconv import _backward_plan
+
+    (plan,) = _backward_plan._plans.values()
+    f = dict(zip(_backward_plan.TIME.plan_fields, plan.launches[0].plan_fields, strict=True))
+    chunks = 5 * (3 if seqlen == 2100 else 1)
+    assert f["run_chunks"] == 8 and f["runs"] == plan.n_parts == -(-chunks // 8)
+
+
+@pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
+@pytest.mark.parametrize("width", (3, 16))
+def test_time_runs_features(time_runs, features, width):
+    f = set(features.split("-"))
+    run_bwd(
+        6, 9, 1300, width, "float32", bias="nobias" not in f, silu="nosilu" not in f,
+        segments=4 if "seq" in f else 0, padding="padding" in f,
+        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
+        buffers="buffers" in f, seed=width,
+    )  # fmt: skip
+
+
+def test_time_runs_repeatable(time_runs):
+    import torch
+
+    case = dict(segments=3, init=True, dfinal=True)
+    first = run_bwd(9, 64, 2500, 4, "bfloat16", **case)
+    for _ in range(3):
+        again = run_bwd(9, 64, 2500, 4, "bfloat16", **case)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_repeatable(layout):
     """Every output the same over repeated runs (no floating-point atomics)."""
