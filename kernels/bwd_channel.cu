@@ -77,12 +77,24 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 const int64 c = strip * (32 * V) + piece * (16 / (int)sizeof(T));
                 const T* src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
                 const T* d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
-                #pragma unroll
-                for (int k = 0; k < (R + ROUND - 1) / ROUND; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
-                    const int r = first + k * ROUND;
-                    if (r < R) {
-                        cp_async<16>(sb + r * 32 * BYTES, r < rows ? src : x, r < rows ? 16 : 0);
-                        cp_async<16>(sb + (R + r) * 32 * BYTES, r < rows ? d : dout, r < rows ? 16 : 0);
+                constexpr int STEPS = (R + ROUND - 1) / ROUND;
+                if (rows == R) {  // the whole tile in the row: no checks
+                    #pragma unroll
+                    for (int k = 0; k < STEPS; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
+                        const int r = first + k * ROUND;
+                        if (r < R) {
+                            cp_async<16>(sb + r * 32 * BYTES, src, 16);
+                            cp_async<16>(sb + (R + r) * 32 * BYTES, d, 16);
+                        }
+                    }
+                } else {
+                    #pragma unroll
+                    for (int k = 0; k < STEPS; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
+                        const int r = first + k * ROUND;
+                        if (r < R) {
+                            cp_async<16>(sb + r * 32 * BYTES, r < rows ? src : x, r < rows ? 16 : 0);
+                            cp_async<16>(sb + (R + r) * 32 * BYTES, r < rows ? d : dout, r < rows ? 16 : 0);
+                        }
                     }
                 }
                 cp_async_commit();
@@ -118,13 +130,15 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         };
         stage_tile(0);
 
+        // With SiLU, the taps and bias scaled (silu_grad_scaled), and so are dz and dw.
+        const A scale = silu_act ? silu_scale<A>() : A(1);
         A w[K][V], bias_v[V] = {};
         #pragma unroll
         for (int v = 0; v < V; ++v) {
             #pragma unroll
             for (int k = 0; k < K; ++k)
-                w[k][v] = load_as<A>(weight, weight_dtype, (c0 + v) * weight_c_stride + k * weight_width_stride);
-            if (bias) bias_v[v] = load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
+                w[k][v] = scale * load_as<A>(weight, weight_dtype, (c0 + v) * weight_c_stride + k * weight_width_stride);
+            if (bias) bias_v[v] = scale * load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
         }
         A dw[K + 1][V] = {};  // this lane's share of dweight and (k = K) dbias over the group
         T* dxp = dxb + g0 * dx_l_stride;  // dx at the next position it is written
@@ -185,7 +199,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                                     z += w[k][v] * xw[(u + k) % K][v];
                                 }
                             }
-                            gd[v] *= silu_grad(z);
+                            gd[v] *= silu_grad_scaled(z);
                         }
                     }
                     const bool live = !CHECKED || pos < seqlen;
@@ -252,6 +266,6 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         for (int v = 0; v < V; ++v)
             #pragma unroll
             for (int k = 0; k <= K; ++k)
-                write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, k, dw[k][v]);
+                write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, k, scale * dw[k][v]);
     }
 }

@@ -72,14 +72,26 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
 
             __syncwarp();  // the stage's last readers are done
-            // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ..
+            // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ... Rows
+            // in 16-byte vectors: the chunk's own (unchecked when the chunk is all in the row,
+            // else zeros past the row), then the halos (lanes < 2 HV for x, < HV for dout),
+            // checked against both ends.
+            const int in_row = (n + VN - 1) / VN;  // the chunk's vectors in the row
             if (x_aligned && whole) {
-                #pragma unroll
-                for (int r = 0; r < (XV + 31) / 32; ++r) {
-                    const int v = 32 * r + lane;
+                const Raw* const src = reinterpret_cast<const Raw*>(xr + start);
+                if (n == span) {
+                    #pragma unroll
+                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(xs + HV + v, src + v, 16);
+                } else {  // (a loop kept rolled: compiled as a branch, not predicated)
+                    #pragma unroll 1
+                    for (int v = lane; v < 32 * NV; v += 32)
+                        cp_async<16>(xs + HV + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
+                }
+                if (lane < 2 * HV) {
+                    const int v = lane < HV ? lane : 32 * NV + lane;
                     const int64 pos = start + (int64)(v - HV) * VN;
-                    const bool in_row = pos >= 0 && pos < seqlen;
-                    if (v < XV) cp_async<16>(xs + v, in_row ? xr + pos : xr, in_row ? 16 : 0);
+                    const bool in = pos >= 0 && pos < seqlen;
+                    cp_async<16>(xs + v, in ? xr + pos : xr, in ? 16 : 0);
                 }
             } else {
                 T* const e = reinterpret_cast<T*>(xs);
@@ -89,12 +101,19 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 }
             }
             if (dout_aligned && whole) {
-                #pragma unroll
-                for (int r = 0; r < (DV + 31) / 32; ++r) {
-                    const int v = 32 * r + lane;
-                    const int64 pos = start + (int64)v * VN;
-                    const bool in_row = pos < seqlen;
-                    if (v < DV) cp_async<16>(ds + v, in_row ? dr + pos : dr, in_row ? 16 : 0);
+                const Raw* const src = reinterpret_cast<const Raw*>(dr + start);
+                if (n == span) {
+                    #pragma unroll
+                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(ds + v, src + v, 16);
+                } else {  // (a loop kept rolled: compiled as a branch, not predicated)
+                    #pragma unroll 1
+                    for (int v = lane; v < 32 * NV; v += 32)
+                        cp_async<16>(ds + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
+                }
+                if (lane < HV) {
+                    const int v = 32 * NV + lane;
+                    const bool in = start + (int64)v * VN < seqlen;
+                    cp_async<16>(ds + v, in ? src + v : src, in ? 16 : 0);
                 }
             } else {
                 T* const e = reinterpret_cast<T*>(ds);
@@ -104,10 +123,11 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 }
             }
             cp_async_commit();
-            if (first_chunk) {
+            if (first_chunk) {  // with SiLU: scaled (silu_grad_scaled), as are dz and dw
+                const A scale = silu_act ? silu_scale<A>() : A(1);
                 #pragma unroll
-                for (int k = 0; k < K; ++k) w[k] = __shfl_sync(0xffffffffu, mine, k);
-                bias_c = __shfl_sync(0xffffffffu, mine, K);
+                for (int k = 0; k < K; ++k) w[k] = scale * __shfl_sync(0xffffffffu, mine, k);
+                bias_c = scale * __shfl_sync(0xffffffffu, mine, K);
             }
             cp_async_wait<0>();
             __syncwarp();
@@ -158,7 +178,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                                     z += w[k] * xw[OFF + o + k];
                                 }
                             }
-                            go[o] *= silu_grad(z);
+                            go[o] *= silu_grad_scaled(z);
                         }
                     }
                     #pragma unroll
@@ -196,7 +216,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                         for (int k = 0; k < K; ++k)
                             if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
                                 z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
-                        gm *= silu_grad(z);
+                        gm *= silu_grad_scaled(z);
                     }
                     tail = sid < 0 ? A(0) : gm;
                 }
@@ -273,14 +293,33 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 ++b;
             }
         }
+        // The warp's sums of the K + 1 shares, by halving exchanges (a fixed tree): after the
+        // exchange over lane bit 4 - s, a lane holds half of the sums it held, the upper half
+        // where that bit is set; when one is left, the last exchanges add it up. Lane l then
+        // holds sum number (l >> (5 - LOG)) mod P, where P = 2^LOG >= K + 1 (sums K + 1 .. P - 1
+        // are zeros).
+        constexpr int LOG = K < 2 ? 1 : K < 4 ? 2 : K < 8 ? 3 : K < 16 ? 4 : 5, P = 1 << LOG;
         #pragma unroll
-        for (int k = 0; k <= K; ++k) {
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) dw[k] += __shfl_xor_sync(0xffffffffu, dw[k], o);
+        for (int s = 0; s < 5; ++s) {
+            const int o = 16 >> s, half = P >> (s + 1);
+            if (half >= 1) {
+                const bool upper = lane & o;
+                #pragma unroll
+                for (int j = 0; j < P / 2; ++j) {
+                    if (j < half) {
+                        const A high = j + half <= K ? dw[j + half] : A(0);
+                        const A send = upper ? dw[j] : high, keep = upper ? high : dw[j];
+                        dw[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                    }
+                }
+            } else {
+                dw[0] += __shfl_xor_sync(0xffffffffu, dw[0], o);
+            }
         }
-        if (lane == 0) {
-            #pragma unroll
-            for (int k = 0; k <= K; ++k) write_sum(partials, dweight, dbias, p, run, c, k, dw[k]);
+        const int k = (lane >> (5 - LOG)) & (P - 1);
+        if ((lane & ((1 << (5 - LOG)) - 1)) == 0 && k <= K) {
+            const A scale = silu_act ? silu_scale<A>() : A(1);
+            write_sum(partials, dweight, dbias, p, run, c, k, scale * dw[0]);
         }
     }
 }
