@@ -15,11 +15,11 @@
 // from x; the vector's VN SiLU derivatives in one branch, so that they interleave), the K-1
 // values of dz after them from the next lanes by shuffles, dx at its VN positions, and its
 // share of the dweight / dbias sums. After the run the warp adds the lanes' shares in a fixed
-// tree, and K + 1 of its lanes write the sums as part `run` of the partials. Positions before the row are
-// initial_states (zeros without them); dz past the row's end is 0. The work item is divided by
-// the plan's fast divisors p.dim_divisor and the run's first chunk by p.chunk_divisor (chunks
-// per row). p.x_aligned / p.dout_aligned / p.dx_aligned: rows time-contiguous and starting on
-// 16-byte boundaries.
+// tree, and K + 1 of its lanes write the sums as part `run` of the partials. Positions before
+// the row are initial_states (zeros without them); dz past the row's end is 0. The work item
+// is divided by the plan's fast divisor p.dim_divisor, the run's first chunk by
+// p.chunk_divisor (chunks per row). p.x_aligned / p.dout_aligned / p.dx_aligned: rows
+// time-contiguous and starting on 16-byte boundaries.
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int NV, int WARPS>
