@@ -127,46 +127,6 @@ __device__ __forceinline__ void divmod_fast(int64 a, int64 d, int64 magic, int64
     }
 }
 
-// Work item i of a kernel as three digits (hi, mid, lo) in the mixed radix (n_mid, n_lo), lo
-// fastest. For items handed out grid-stride (warp w of n_warps takes items w, w + n_warps,
-// ...): a warp steps from item to item by adding the digits of n_warps, without a division.
-struct Digits {
-    int64 lo, mid, hi;
-};
-__device__ __forceinline__ Digits to_digits(int64 i, int64 n_lo, int64 n_mid) {
-    Digits d;
-    int64 q;
-    divmod(i, n_lo, q, d.lo);
-    divmod(q, n_mid, d.hi, d.mid);
-    return d;
-}
-// u += step, where step holds the digits of a number (each digit below its radix).
-__device__ __forceinline__ void advance(Digits& u, const Digits& step, int64 n_lo, int64 n_mid) {
-    u.lo += step.lo;
-    if (u.lo >= n_lo) { u.lo -= n_lo; ++u.mid; }
-    u.mid += step.mid;
-    if (u.mid >= n_mid) { u.mid -= n_mid; ++u.hi; }
-    u.hi += step.hi;
-}
-// Stages element i of the float array p of run-time dtype `code` into *dst (8-byte aligned)
-// with cp.async: the 8 bytes of a float64, else the aligned 4 bytes that hold the element.
-__device__ __forceinline__ void stage_param(unsigned long long* dst, const void* p, int code, int64 i) {
-    if (code == F64) {
-        cp_async<8>(dst, static_cast<const double*>(p) + i, 8);
-    } else {
-        const char* a = static_cast<const char*>(p) + i * (code == F32 ? 4 : 2);
-        cp_async<4>(dst, reinterpret_cast<const void*>(reinterpret_cast<unsigned long long>(a) & ~3ull), 4);
-    }
-}
-// The element staged by stage_param(src, p, code, i), as A.
-template <typename A>
-__device__ __forceinline__ A staged_param(const unsigned long long* src, const void* p, int code, int64 i) {
-    const unsigned long long u = *src;
-    if (code == F32 || code == F64) return bits_as<A>(u, code);
-    const bool high = (reinterpret_cast<unsigned long long>(static_cast<const char*>(p) + 2 * i) & 2) != 0;
-    return bits_as<A>(high ? (u >> 16) & 0xffff : u & 0xffff, code);
-}
-
 // Stores v at element i of a float array p of run-time dtype `code`.
 template <typename A>
 __device__ __forceinline__ void store_as(void* p, int code, int64 i, A v) {
