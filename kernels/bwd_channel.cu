@@ -75,28 +75,24 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 const int piece = lane % PIECES, first = lane / PIECES;
                 char* const sb = reinterpret_cast<char*>(stage[i & 1]) + piece * 16;
                 const int64 c = strip * (32 * V) + piece * (16 / (int)sizeof(T));
-                const T* src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
-                const T* d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
-                constexpr int STEPS = (R + ROUND - 1) / ROUND;
-                if (rows == R) {  // the whole tile in the row: no checks
+                const T* const src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
+                const T* const d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
+                // Whole tiles in the row without checks, the last one with (zeros past the row).
+                auto copy_rows = [&](auto checked_flag) {
+                    constexpr bool CHECKED = decltype(checked_flag)::value;
+                    const T *s = src, *t = d;
                     #pragma unroll
-                    for (int k = 0; k < STEPS; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
+                    for (int k = 0; k < (R + ROUND - 1) / ROUND; ++k, s += ROUND * x_l_stride, t += ROUND * dout_l_stride) {
                         const int r = first + k * ROUND;
+                        const bool in = !CHECKED || r < rows;
                         if (r < R) {
-                            cp_async<16>(sb + r * 32 * BYTES, src, 16);
-                            cp_async<16>(sb + (R + r) * 32 * BYTES, d, 16);
+                            cp_async<16>(sb + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
+                            cp_async<16>(sb + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
                         }
                     }
-                } else {
-                    #pragma unroll
-                    for (int k = 0; k < STEPS; ++k, src += ROUND * x_l_stride, d += ROUND * dout_l_stride) {
-                        const int r = first + k * ROUND;
-                        if (r < R) {
-                            cp_async<16>(sb + r * 32 * BYTES, r < rows ? src : x, r < rows ? 16 : 0);
-                            cp_async<16>(sb + (R + r) * 32 * BYTES, r < rows ? d : dout, r < rows ? 16 : 0);
-                        }
-                    }
-                }
+                };
+                if (rows == R) copy_rows(Flag<false>());
+                else copy_rows(Flag<true>());
                 cp_async_commit();
                 return;
             }

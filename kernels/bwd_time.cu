@@ -77,16 +77,20 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             // else zeros past the row), then the halos (lanes < 2 HV for x, < HV for dout),
             // checked against both ends.
             const int in_row = (n + VN - 1) / VN;  // the chunk's vectors in the row
-            if (x_aligned && whole) {
-                const Raw* const src = reinterpret_cast<const Raw*>(xr + start);
+            // The chunk's own vectors of a row, from src to dst (the checked loop kept rolled:
+            // compiled as a branch, not predicated and issued beside the unchecked one).
+            auto stage_own = [&](Raw* dst, const Raw* src) {
                 if (n == span) {
                     #pragma unroll
-                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(xs + HV + v, src + v, 16);
-                } else {  // (a loop kept rolled: compiled as a branch, not predicated)
+                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(dst + v, src + v, 16);
+                } else {
                     #pragma unroll 1
                     for (int v = lane; v < 32 * NV; v += 32)
-                        cp_async<16>(xs + HV + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
+                        cp_async<16>(dst + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
                 }
+            };
+            if (x_aligned && whole) {
+                stage_own(xs + HV, reinterpret_cast<const Raw*>(xr + start));
                 if (lane < 2 * HV) {
                     const int v = lane < HV ? lane : 32 * NV + lane;
                     const int64 pos = start + (int64)(v - HV) * VN;
@@ -102,14 +106,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             }
             if (dout_aligned && whole) {
                 const Raw* const src = reinterpret_cast<const Raw*>(dr + start);
-                if (n == span) {
-                    #pragma unroll
-                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(ds + v, src + v, 16);
-                } else {  // (a loop kept rolled: compiled as a branch, not predicated)
-                    #pragma unroll 1
-                    for (int v = lane; v < 32 * NV; v += 32)
-                        cp_async<16>(ds + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
-                }
+                stage_own(ds, src);
                 if (lane < HV) {
                     const int v = 32 * NV + lane;
                     const bool in = start + (int64)v * VN < seqlen;
