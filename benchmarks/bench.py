@@ -118,7 +118,9 @@ def default_cases() -> list[Case]:
     cases.append(Case(8, 5120, 2048, "cf", dtype="float16"))
     for layout in ("cf", "cl"):  # the wide filters' rows
         cases += [Case(8, 5120, 2048, layout, width=w) for w in (8, 16, 31, 64, 128, 256)]
-    cases += [Case(8, 5120, 2048, layout, dtype="float32", width=64) for layout in ("cf", "cl")]
+    for layout in ("cf", "cl"):  # float32's wide rows (CUDA cores)
+        cases += [Case(8, 5120, 2048, layout, dtype="float32", width=w) for w in (16, 64)]
+    cases.append(Case(8, 5120, 2048, "cl", width=12))  # fwd_channel's widest lane vectors
     return cases
 
 

@@ -52,22 +52,25 @@ CONSTANTS = {
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
-    "CHANNEL_WIDE_CHANNELS": 32,  # fwd_channel_wide: channels per tile (one per lane)
-    "CHANNEL_WIDE_STEPS": 256,  # fwd_channel_wide: time steps per tile
-    "CHANNEL_WIDE_WARPS": 4,  # fwd_channel_wide: warps per block
+    "CHANNEL_WIDE_WARPS": 8,  # fwd_channel_wide: warps per block
+    "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
-# up to 13) and channel-contiguous x (above CHANNEL_MAX_WIDTH); benchmarks/NOTES.md, "fwd_mma
-# on both layouts".
-MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 9
+# up to 13) and channel-contiguous x (fwd_channel is faster up to 15); benchmarks/NOTES.md,
+# "fwd_mma on both layouts" and "fwd_channel at widths 9 to 16".
+MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 16
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
-CHANNEL_MAX_WIDTH = 8  # fwd_channel up to this width; wider channel-contiguous x: the others
+CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
-# fwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize.
-CHANNEL_TILES = {2: (16, 8), 4: (16, 16), 8: (8, 16)}
+# fwd_channel: (time steps per tile, bytes of a lane's channel vector) by itemsize, up to
+# CHANNEL_NARROW_WIDTH and above it (half the channels a lane, twice the steps a tile: its taps
+# and window of K rows in registers).
+CHANNEL_TILES = {2: ((16, 8), (32, 4)), 4: ((16, 16), (32, 8)), 8: ((8, 16), (32, 8))}
+CHANNEL_NARROW_WIDTH = 8
+CHANNEL_WIDE_STEPS = 256  # fwd_channel_wide: most time steps a tile
 GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
 TIME_WIDE_SMEM_BUDGET = 48 * 1024  # fwd_time_wide: most shared memory per block
 WIDTHS = range(1, 257)
@@ -116,8 +119,9 @@ CHANNEL = Kernel(
     ("out_aligned", "strip_divisor", "step_divisor"),
 )  # fmt: skip
 CHANNEL_WIDE = Kernel(
-    "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams", ("weights_at",)
-)
+    "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams",
+    (*_ALIGNED, "steps", "weights_at"),
+)  # fmt: skip
 GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",))
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
 KERNELS = (TIME, MMA, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
@@ -130,13 +134,15 @@ SOURCES = bind_sources(
 def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source, str]]:
     """The dispatch table: the forward kernel (source, template instance) for each layout of x
     of ``dtype``. "time_short"/"time_long" serve time-contiguous rows of at most / more than
-    TIME_SHORT_ROW bytes; "channel" channel-contiguous x in lane vectors; "general" any
-    strides; "final_states" the final states. Where tensor cores are exact (``tensor_cores``),
+    TIME_SHORT_ROW bytes; "channel" channel-contiguous x in lane vectors (up to
+    CHANNEL_MAX_WIDTH, with seq_idx up to CHANNEL_NARROW_WIDTH), "channel_wide" other channel-
+    contiguous x above CHANNEL_NARROW_WIDTH without seq_idx; "general" any strides;
+    "final_states" the final states. Where tensor cores are exact (``tensor_cores``),
     "mma" replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel"
     from MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x)."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
-    steps, lane_bytes = CHANNEL_TILES[ITEMSIZE[dtype]]
+    steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)
     table = {"general": (GENERAL, f"fwd_general<{t}>")}
     for kind, (vectors, warps) in (
         ("time_short", TIME_SHORT_CHUNK),
@@ -146,19 +152,19 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
-    if width >= MMA_CL_MIN_WIDTH and dtype in ("bfloat16", "float16") and not seq:
+    if dtype in ("bfloat16", "float16") and not seq:
         ks = mma_steps(width)
         for cl, cl_kind in ((False, ""), (True, "_cl")):
+            if width < (MMA_CL_MIN_WIDTH if cl else MMA_MIN_WIDTH):
+                continue
             for split in (False, True) if dtype == "bfloat16" else (False,):
                 warps = mma_cl_warps(ks, split) if cl else 0
                 name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"
                 table["mma" + cl_kind + ("_split" if split else "")] = (MMA, name)
-    if width <= CHANNEL_MAX_WIDTH:
+    if width <= (CHANNEL_NARROW_WIDTH if seq else CHANNEL_MAX_WIDTH):
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
-    elif not seq:
-        table["channel"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
-    else:
-        table["channel"] = table["general"]
+    if width > CHANNEL_NARROW_WIDTH and not seq:
+        table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
@@ -208,7 +214,7 @@ def plan_forward(
     """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
     whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
     mma = None
-    if width >= MMA_CL_MIN_WIDTH and tensor_cores(x, weight, initial_states):
+    if width >= min(MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH) and tensor_cores(x, weight, initial_states):
         mma = "mma" if weight.dtype_name == x.dtype_name else "mma_split"
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
@@ -229,7 +235,7 @@ def _plan_forward(
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
     kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
-    if kind in table and (x_c == 1 if not time_major else width >= MMA_MIN_WIDTH):
+    if kind in table and (time_major or x_c == 1):
         return _plan_mma(
             x, out, width, table[kind][1], device, not time_major, kind.endswith("_split")
         )
@@ -239,10 +245,10 @@ def _plan_forward(
         short = seqlen * itemsize <= TIME_SHORT_ROW
         name = table["time_short" if short else "time_long"][1]
         return _plan_time(x, out, TIME_SHORT_CHUNK if short else TIME_LONG_CHUNK, name, itemsize)
-    if x_c == 1 and width <= CHANNEL_MAX_WIDTH and _channel_vectors(x, itemsize):
-        return _plan_channel(x, out, table["channel"][1], itemsize)
-    if x_c == 1 and width > CHANNEL_MAX_WIDTH and not has_seq:
-        plan = _plan_channel_wide(x, width, table["channel"][1], itemsize, device)
+    if x_c == 1 and "channel" in table and _channel_vectors(x, itemsize, width):
+        return _plan_channel(x, out, table["channel"][1], itemsize, width)
+    if x_c == 1 and "channel_wide" in table:
+        plan = _plan_channel_wide(x, out, width, table["channel_wide"][1], itemsize, device)
         if plan is not None:
             return plan
     runs = batch * dim * -(-seqlen // CONSTANTS["GENERAL_RUN"])
@@ -361,42 +367,68 @@ def _plan_time_wide(x, out, width, has_seq, name, itemsize) -> Launch:
     )  # fmt: skip
 
 
-def _channel_vectors(a: Array, itemsize: int) -> bool:
+def channel_tile(itemsize: int, width: int) -> tuple[int, int]:
+    """fwd_channel's (time steps per tile, bytes of a lane's channel vector) for ``width``."""
+    return CHANNEL_TILES[itemsize][width > CHANNEL_NARROW_WIDTH]
+
+
+def _channel_vectors(a: Array, itemsize: int, width: int) -> bool:
     """Whether channel-contiguous ``a`` splits into fwd_channel's aligned lane vectors."""
-    nbytes = CHANNEL_TILES[itemsize][1]
+    nbytes = channel_tile(itemsize, width)[1]
     return a.shape[1] % (nbytes // itemsize) == 0 and rows_aligned(a, 1, nbytes)
 
 
-def _plan_channel(x, out, name, itemsize) -> Launch:
+def _plan_channel(x, out, name, itemsize, width) -> Launch:
     batch, dim, seqlen = x.shape
-    steps, lane_bytes = CHANNEL_TILES[itemsize]
+    steps, lane_bytes = channel_tile(itemsize, width)
     v = lane_bytes // itemsize  # channels per lane
     strips, steps_per_row = -(-dim // (32 * v)), -(-seqlen // steps)
     warps = CONSTANTS["CHANNEL_WARPS"]
     grid = min(-(-(batch * steps_per_row * strips) // warps), MAX_GRID)  # a tile a warp
     return CHANNEL.launch(
         name, grid, (32 * warps, 1),
-        out_aligned=_channel_vectors(out, itemsize),
+        out_aligned=_channel_vectors(out, itemsize, width),
         strip_divisor=fast_divisor(strips), step_divisor=fast_divisor(steps_per_row),
     )  # fmt: skip
 
 
-def _plan_channel_wide(x, width, name, itemsize, device) -> Launch | None:
-    """The block's shared memory: the tile's STEPS + K - 1 input rows, then its K weight rows,
-    each of CHANNELS values of the accumulation type. None where that is more than the device
-    allows a block (float64 from width 199 on sm_80 and from width 71 on sm_86 and sm_89): the
-    general kernel then."""
+def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
+    """The tile's steps and the block's shared memory: the tile's steps + K - 1 input rows, then
+    its K tap rows, each of 32 lanes' 8-byte slots. The steps halve from CHANNEL_WIDE_STEPS
+    (down to a lane's CHANNEL_WIDE_RUN steps a warp) while that is more than the device allows
+    a block, and further where that lets two blocks share an SM (benchmarks/NOTES.md,
+    "fwd_channel_wide, version 2"); None where even the shortest tiles do not fit (from width
+    167 on sm_86 and sm_89): the general kernel then."""
     batch, dim, seqlen = x.shape
-    acc = acc_bytes(itemsize)
-    steps, channels = CONSTANTS["CHANNEL_WIDE_STEPS"], CONSTANTS["CHANNEL_WIDE_CHANNELS"]
-    weights_at = (steps + width - 1) * channels * acc
-    smem = weights_at + width * channels * acc
-    if smem > shared_memory_limit(device):
+    lanes = 8 // acc_bytes(itemsize)  # channels a lane
+    least = CONSTANTS["CHANNEL_WIDE_WARPS"] * CONSTANTS["CHANNEL_WIDE_RUN"]
+    steps = min(CHANNEL_WIDE_STEPS, -(-seqlen // least) * least)
+
+    def smem(steps):
+        return (steps + 2 * width - 1) * 32 * 8
+
+    def shorter(steps):
+        return max(least, steps // 2 // least * least)
+
+    limit = shared_memory_limit(device)
+    while steps > least and smem(steps) > limit:
+        steps = shorter(steps)
+    if smem(steps) > limit:
         return None
+    two = steps  # the longest tiles of which two blocks fit an SM, if any
+    while two > least and not blocks_fit(device, smem(two), 2):
+        two = shorter(two)
+    if blocks_fit(device, smem(two), 2):
+        steps = two
     threads = 32 * CONSTANTS["CHANNEL_WIDE_WARPS"]
-    tiles = batch * -(-seqlen // steps) * -(-dim // channels)
-    grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem))
-    return CHANNEL_WIDE.launch(name, grid, (threads, 1), smem, weights_at=weights_at)
+    tiles = batch * -(-seqlen // steps) * -(-dim // (32 * lanes))
+    grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem(steps)))
+    nbytes = lanes * itemsize
+    return CHANNEL_WIDE.launch(
+        name, grid, (threads, 1), smem(steps), x_aligned=rows_aligned(x, 1, nbytes),
+        out_aligned=rows_aligned(out, 1, nbytes), steps=steps,
+        weights_at=(steps + width - 1) * 32 * 8,
+    )  # fmt: skip
 
 
 def plan_final_states(x: Array, width: int) -> Launch:

@@ -1,9 +1,11 @@
 // fwd_channel.cu: the forward for channel-contiguous x (x_c_stride == 1) whose rows split into
-// aligned lane vectors, width K <= 8 (the plan's CHANNEL_MAX_WIDTH), in registers.
+// aligned lane vectors, width K <= 16 (the plan's CHANNEL_MAX_WIDTH), in registers.
 //
 //   fwd_channel<T, K, SEQ, R, BYTES>
 //       a warp computes a tile of R time steps x 32 lanes x V = BYTES / sizeof(T) channels,
-//       CHANNEL_WARPS warps a block. SEQ says whether seq_idx is given.
+//       CHANNEL_WARPS warps a block. SEQ says whether seq_idx is given. The plan halves V and
+//       doubles R above width 8 (CHANNEL_TILES), so that a lane's K x V taps and window fit
+//       its registers.
 //
 // Lane l owns V adjacent channels, one BYTES-wide vector per time step. A warp stages the
 // tile's R rows and the K-1 rows before them in shared memory by cp.async (each a coalesced

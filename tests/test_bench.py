@@ -32,8 +32,11 @@ FORWARD_CASES = [
         for layout in ("cf", "cl")
         for w in (8, 16, 31, 64, 128, 256)
     ],
+    "cf-fp32-8x5120x2048-w16",
     "cf-fp32-8x5120x2048-w64",
+    "cl-fp32-8x5120x2048-w16",
     "cl-fp32-8x5120x2048-w64",
+    "cl-bf16-8x5120x2048-w12",
 ]
 
 

@@ -160,7 +160,10 @@ def test_instance_table_covers_every_width():
         assert f"fwd_time<{t}, 18, {seq}, 8, 1>" not in names  # wider: fwd_time_wide, fwd_mma
         assert f"fwd_time_wide<{t}, {seq}>" in names
         assert f"fwd_channel<{t}, 8, {seq}, 16, 8>" in names
-        assert f"fwd_channel<{t}, 9, {seq}, 16, 8>" not in names  # wider: the others
+        assert f"fwd_channel<{t}, 9, {seq}, 16, 8>" not in names  # wider: narrower vectors
+    assert f"fwd_channel<{t}, 16, false, 32, 4>" in names
+    assert f"fwd_channel<{t}, 9, true, 32, 4>" not in names  # seq_idx: the general kernel
+    assert f"fwd_channel<{t}, 17, false, 32, 4>" not in names  # wider: the others
     # widths 9 to 256 on tensor cores, KS 2 to 17: (weights split, channel-last warps a block)
     for split in ("false", "true"):
         assert {f"fwd_mma<{t}, 2, {split}, 0>", f"fwd_mma<{t}, 17, {split}, 0>"} <= names

@@ -86,7 +86,9 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CF, 17, "fwd_time<float, 17, false, 8, 1>", id="cf-width17"),
         pytest.param(CF, 18, "fwd_time_wide<float, false>", id="cf-width18"),
         pytest.param(CL, 8, "fwd_channel<float, 8, false, 16, 16>", id="cl-width8"),
-        pytest.param(CL, 9, "fwd_channel_wide<float>", id="cl-width9"),
+        pytest.param(CL, 9, "fwd_channel<float, 9, false, 32, 8>", id="cl-width9"),
+        pytest.param(CL, 16, "fwd_channel<float, 16, false, 32, 8>", id="cl-width16"),
+        pytest.param(CL, 17, "fwd_channel_wide<float>", id="cl-width17"),
         pytest.param(CL, 256, "fwd_channel_wide<float>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
@@ -275,10 +277,12 @@ H = "__half"
         (F16, F32, None, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma<{H}, 3, false, 8>"),
-        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
-        # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_mma from width 9
-        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma<{H}, 2, false, 8>"),
-        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_mma<{H}, 2, false, 8>"),
+        # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 15
+        (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
+        (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 15, false, 32, 4>"),
+        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 14, false, 32, 4>"),
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_channel<{H}, 13, false, 32, 4>"),
+        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_channel<{H}, 9, false, 32, 4>"),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
         (F32, F32, None, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
@@ -382,6 +386,29 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize(
+    "limit,width,steps",
+    [
+        (SM90_SMEM, 17, 256), (SM90_SMEM, 64, 256), (SM90_SMEM, 128, 128),  # two blocks an SM
+        (SM90_SMEM, 256, 256),  # one block an SM however short its tiles
+        (SM86_SMEM, 166, 64), (SM86_SMEM, 167, None),  # the shortest tiles do not fit
+    ],
+)  # fmt: skip
+def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps):
+    """fwd_channel_wide's tiles: CHANNEL_WIDE_STEPS steps, halved where two blocks then fit an
+    SM or where one would not fit at all; the general kernel where 64 steps do not fit."""
+    fake_device(monkeypatch, limit)
+    cupyconv.causal_conv1d_fn(channel_last(2, 40, 3000), weight(40, width))
+    ((name, plan, params),) = launches
+    if steps is None:
+        assert name == "fwd_general<float>"
+        return
+    assert name == "fwd_channel_wide<float>" and params["steps"] == steps
+    assert params["weights_at"] == (steps + width - 1) * 32 * 8  # rows of 32 8-byte slots
+    assert plan.smem == params["weights_at"] + width * 32 * 8 <= limit
+    assert plan.block == (32 * _forward_plan.CONSTANTS["CHANNEL_WIDE_WARPS"], 1)
+
+
 @pytest.mark.parametrize("limit", (SM90_SMEM, SM80_SMEM, SM86_SMEM), ids=("sm90", "sm80", "sm86"))
 def test_every_launch_fits_the_device(launches, monkeypatch, limit):
     """Every width 1..256 x layout x dtype (bfloat16 plans as float16; weights of x's dtype, so
@@ -405,5 +432,6 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
                     assert 1 <= plan.grid <= 2**31 - 1, where
                     wide = layout in ("cl", "cl_slice") and width > 8
                     fallbacks += wide and name.startswith("fwd_general")
-    # float64 channel-last from width 199 (sm_80) or 71 (sm_86) on: 2 layouts x 2 lengths.
-    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 4 * 58, SM86_SMEM: 4 * 186}[limit]
+    # float32 and float64 channel-last from width 167 on sm_86 (16-bit x takes fwd_mma): 2
+    # dtypes x 2 layouts x 2 lengths x 90 widths.
+    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 8 * 90}[limit]

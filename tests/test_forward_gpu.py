@@ -293,9 +293,11 @@ def test_tensor_core_runs_of_spans(layout):
 )
 @pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
 def test_channel_last_wide_filters(dtype, wdtype, layout):
-    """Channel-last widths above 8 without seq_idx (fwd_channel_wide): tiles past the last channel
-    and time step, states before the row, with and without bias and activation."""
-    cases = itertools.product((9, 33, 100, 256), ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
+    """Channel-last widths above 8 without seq_idx (fwd_channel up to 16 where the rows split
+    into its lane vectors, else fwd_channel_wide; fwd_mma from 16 for 16-bit x and weights):
+    tiles past the last channel and time step, states before the row, with and without bias and
+    activation."""
+    cases = itertools.product((9, 16, 17, 33, 100, 256), ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
     for i, (width, (b, c, length)) in enumerate(cases):
         run_case(
             b, c, length, width, dtype, wdtype, layout=layout, bias=i % 2 == 0,
@@ -313,6 +315,21 @@ def test_channel_last_lane_vectors(dtype, layout, dim):
     for i, width in enumerate((2, 4, 7)):
         run_case(
             2, dim, 151, width, dtype, layout=layout, segments=i, padding=i == 2, init=i != 1,
+            final=True, final_buffer=i == 0, seed=i,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32", "float64"))
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+@pytest.mark.parametrize("dim", (392, 300, 2), ids=lambda c: f"dim{c}")
+def test_channel_last_wide_lane_vectors(dtype, layout, dim):
+    """Channel-last x at widths 9 to 16 in fwd_channel's wide tiles (32 time steps, lane vectors
+    of 2 channels, 1 for float64): a last strip of 8 channels (dim 392), rows aligned to 8 bytes
+    only (dim 300), a single lane (dim 2), a last tile of 23 steps (151), states before the
+    row."""
+    for i, width in enumerate((9, 12, 15, 16)):
+        run_case(
+            2, dim, 151, width, dtype, layout=layout, bias=i != 2, silu=i != 1, init=i % 2 == 0,
             final=True, final_buffer=i == 0, seed=i,
         )  # fmt: skip
 
@@ -355,7 +372,7 @@ def test_weight_and_bias_layouts(layout, form, wdtype):
     """fwd_channel reads a lane's taps (and biases) in wide loads when they are consecutive and
     aligned, else one by one; fwd_time one per lane: every form gives the same result."""
     rng = np.random.default_rng(3)
-    for width in (3, 4):
+    for width in (3, 4, 12):
         x64 = rounded(rng, (2, 264, 99), "bfloat16")
         w64, b64 = rounded(rng, (264, width), wdtype), rounded(rng, (264,), wdtype)
         x = to_gpu(x64, "bfloat16", layout)
