@@ -281,7 +281,7 @@ H = "__half"
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
         (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 15, false, 32, 4>"),
         (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 14, false, 32, 4>"),
-        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_channel<{H}, 13, false, 32, 4>"),
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_channel<{H}, 13, false, 32, 4>"),  # noqa: E501
         (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_channel<{H}, 9, false, 32, 4>"),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
