@@ -52,7 +52,7 @@ CONSTANTS = {
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
-    "CHANNEL_WIDE_WARPS": 8,  # fwd_channel_wide: warps per block
+    "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
@@ -120,7 +120,7 @@ CHANNEL = Kernel(
 )  # fmt: skip
 CHANNEL_WIDE = Kernel(
     "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams",
-    (*_ALIGNED, "steps", "weights_at"),
+    (*_ALIGNED, "steps", "weights_at", "buffer_bytes", "buffers"),
 )  # fmt: skip
 GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",))
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
@@ -393,41 +393,38 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
 
 
 def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
-    """The tile's steps and the block's shared memory: the tile's steps + K - 1 input rows, then
-    its K tap rows, each of 32 lanes' 8-byte slots. The steps halve from CHANNEL_WIDE_STEPS
-    (down to a lane's CHANNEL_WIDE_RUN steps a warp) while that is more than the device allows
-    a block, and further where that lets two blocks share an SM (benchmarks/NOTES.md,
-    "fwd_channel_wide, version 2"); None where even the shortest tiles do not fit (from width
-    167 on sm_86 and sm_89): the general kernel then."""
+    """The tile's steps and the block's shared memory: one or two buffers of the tile's steps +
+    K - 1 input rows and its K tap rows, each row 32 lanes' 8-byte slots. Two buffers (the
+    next tile copied while this one is computed) of up to CHANNEL_WIDE_STEPS steps where they
+    fit a block, halving the steps down to CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one;
+    None where even one buffer of the shortest tiles does not fit (from width 135 on sm_86 and
+    sm_89): the general kernel then."""
     batch, dim, seqlen = x.shape
     lanes = 8 // acc_bytes(itemsize)  # channels a lane
     least = CONSTANTS["CHANNEL_WIDE_WARPS"] * CONSTANTS["CHANNEL_WIDE_RUN"]
-    steps = min(CHANNEL_WIDE_STEPS, -(-seqlen // least) * least)
+    longest = min(CHANNEL_WIDE_STEPS, -(-seqlen // least) * least)
+    limit = shared_memory_limit(device)
 
-    def smem(steps):
+    def buffer_bytes(steps):
         return (steps + 2 * width - 1) * 32 * 8
 
-    def shorter(steps):
-        return max(least, steps // 2 // least * least)
-
-    limit = shared_memory_limit(device)
-    while steps > least and smem(steps) > limit:
-        steps = shorter(steps)
-    if smem(steps) > limit:
+    for buffers in (2, 1):
+        steps = longest
+        while steps > least and buffers * buffer_bytes(steps) > limit:
+            steps = max(least, steps // 2 // least * least)
+        if buffers * buffer_bytes(steps) <= limit:
+            break
+    else:
         return None
-    two = steps  # the longest tiles of which two blocks fit an SM, if any
-    while two > least and not blocks_fit(device, smem(two), 2):
-        two = shorter(two)
-    if blocks_fit(device, smem(two), 2):
-        steps = two
     threads = 32 * CONSTANTS["CHANNEL_WIDE_WARPS"]
+    smem = buffers * buffer_bytes(steps)
     tiles = batch * -(-seqlen // steps) * -(-dim // (32 * lanes))
-    grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem(steps)))
+    grid = min(tiles, resident_blocks(device, CHANNEL_WIDE.source, name, threads, smem))
     nbytes = lanes * itemsize
     return CHANNEL_WIDE.launch(
-        name, grid, (threads, 1), smem(steps), x_aligned=rows_aligned(x, 1, nbytes),
+        name, grid, (threads, 1), smem, x_aligned=rows_aligned(x, 1, nbytes),
         out_aligned=rows_aligned(out, 1, nbytes), steps=steps,
-        weights_at=(steps + width - 1) * 32 * 8,
+        weights_at=(steps + width - 1) * 32 * 8, buffer_bytes=buffer_bytes(steps), buffers=buffers,
     )  # fmt: skip
 
 

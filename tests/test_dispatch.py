@@ -387,25 +387,29 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize(
-    "limit,width,steps",
+    "limit,width,steps,buffers",
     [
-        (SM90_SMEM, 17, 256), (SM90_SMEM, 64, 256), (SM90_SMEM, 128, 128),  # two blocks an SM
-        (SM90_SMEM, 256, 256),  # one block an SM however short its tiles
-        (SM86_SMEM, 166, 64), (SM86_SMEM, 167, None),  # the shortest tiles do not fit
+        (SM90_SMEM, 17, 256, 2), (SM90_SMEM, 64, 256, 2),
+        (SM90_SMEM, 128, 128, 2),  # shorter tiles, so that two buffers fit
+        (SM90_SMEM, 256, 256, 1),  # two buffers do not fit at any length: one
+        (SM86_SMEM, 134, 128, 1), (SM86_SMEM, 135, None, 0),  # the shortest tiles do not fit
     ],
 )  # fmt: skip
-def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps):
-    """fwd_channel_wide's tiles: CHANNEL_WIDE_STEPS steps, halved where two blocks then fit an
-    SM or where one would not fit at all; the general kernel where 64 steps do not fit."""
+def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps, buffers):
+    """fwd_channel_wide's tiles: two buffers of CHANNEL_WIDE_STEPS steps, halved where two
+    buffers would not fit a block, else one buffer; the general kernel where one buffer of the
+    shortest tiles does not fit."""
     fake_device(monkeypatch, limit)
     cupyconv.causal_conv1d_fn(channel_last(2, 40, 3000), weight(40, width))
     ((name, plan, params),) = launches
     if steps is None:
         assert name == "fwd_general<float>"
         return
-    assert name == "fwd_channel_wide<float>" and params["steps"] == steps
+    assert name == "fwd_channel_wide<float>"
+    assert (params["steps"], params["buffers"]) == (steps, buffers)
     assert params["weights_at"] == (steps + width - 1) * 32 * 8  # rows of 32 8-byte slots
-    assert plan.smem == params["weights_at"] + width * 32 * 8 <= limit
+    assert params["buffer_bytes"] == params["weights_at"] + width * 32 * 8
+    assert plan.smem == buffers * params["buffer_bytes"] <= limit
     assert plan.block == (32 * _forward_plan.CONSTANTS["CHANNEL_WIDE_WARPS"], 1)
 
 
@@ -432,6 +436,6 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
                     assert 1 <= plan.grid <= 2**31 - 1, where
                     wide = layout in ("cl", "cl_slice") and width > 8
                     fallbacks += wide and name.startswith("fwd_general")
-    # float32 and float64 channel-last from width 167 on sm_86 (16-bit x takes fwd_mma): 2
-    # dtypes x 2 layouts x 2 lengths x 90 widths.
-    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 8 * 90}[limit]
+    # float32 and float64 channel-last from width 135 on sm_86 (16-bit x takes fwd_mma): 2
+    # dtypes x 2 layouts x 2 lengths x 122 widths.
+    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 8 * 122}[limit]
