@@ -19,14 +19,11 @@ import dataclasses
 from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES, Source
 from ._launch import (
-    BANK_PAD,
-    BANK_RUN,
     MAX_GRID,
     Kernel,
     Launch,
     ParamBlock,
     acc_bytes,
-    bank_padded,
     bind_sources,
     blocks_fit,
     dtype_code,
@@ -41,11 +38,8 @@ from ._launch import (
 # benchmarks/NOTES.md, "Occupancy and tile sizes".
 CONSTANTS = {
     "GENERAL_RUN": 8,  # fwd_general: consecutive outputs per thread
-    "TIME_WIDE_THREADS": 128,  # fwd_time_wide: threads per block (rows x threads per row)
-    "TIME_WIDE_BYTES": 32,  # fwd_time_wide: bytes of a thread's outputs (8 float32 outputs)
-    "TIME_WIDE_CHUNK": 16,  # fwd_time_wide: taps per chunk (taps are zero-padded to chunks)
-    "TIME_WIDE_BANK_RUN": BANK_RUN,  # fwd_time_wide: a staged row's bank padding
-    "TIME_WIDE_BANK_PAD": BANK_PAD,  # (_launch.bank_padded)
+    "TIME_WIDE_WARPS": 4,  # fwd_time_wide: independent warps per block, at most
+    "TIME_WIDE_RUN": 16,  # fwd_time_wide: consecutive outputs a lane computes at once
     "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
     "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
@@ -72,7 +66,6 @@ CHANNEL_TILES = {2: ((16, 8), (32, 4)), 4: ((16, 16), (32, 8)), 8: ((8, 16), (32
 CHANNEL_NARROW_WIDTH = 8
 CHANNEL_WIDE_STEPS = 256  # fwd_channel_wide: most time steps a tile
 GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
-TIME_WIDE_SMEM_BUDGET = 48 * 1024  # fwd_time_wide: most shared memory per block
 WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -112,7 +105,7 @@ MMA = Kernel(
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
-    (*_ALIGNED, "halo", "taps", "row_slots", "weights_at", "ids_at"),
+    ("out_aligned", "cols", "tap_slots", "ids_at", "warp_bytes"),
 )  # fmt: skip
 CHANNEL = Kernel(
     "fwd_channel", "fwd_channel.cu", "FwdChannelParams",
@@ -195,10 +188,6 @@ def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> dict[Source, 
 # ---- launch shapes ---------------------------------------------------------------------------
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 _plans: dict[tuple, Launch] = {}
 
 
@@ -239,12 +228,14 @@ def _plan_forward(
         return _plan_mma(
             x, out, width, table[kind][1], device, not time_major, kind.endswith("_split")
         )
-    if time_major:
-        if width > TIME_MAX_WIDTH:
-            return _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize)
+    if time_major and width <= TIME_MAX_WIDTH:
         short = seqlen * itemsize <= TIME_SHORT_ROW
         name = table["time_short" if short else "time_long"][1]
         return _plan_time(x, out, TIME_SHORT_CHUNK if short else TIME_LONG_CHUNK, name, itemsize)
+    if time_major:
+        plan = _plan_time_wide(x, out, width, has_seq, table["time_long"][1], itemsize, device)
+        if plan is not None:
+            return plan
     if x_c == 1 and "channel" in table and _channel_vectors(x, itemsize, width):
         return _plan_channel(x, out, table["channel"][1], itemsize, width)
     if x_c == 1 and "channel_wide" in table:
@@ -340,30 +331,30 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     )  # fmt: skip
 
 
-def _plan_time_wide(x, out, width, has_seq, name, itemsize) -> Launch:
-    """Rows of the tile, threads per row, and the block's shared memory: each row's slots (its
-    K-1 halo rounded up to 4, the tile, padding), then each row's zero-padded taps, then (with
-    seq_idx) each row's segment ids."""
-    batch, dim, seqlen = x.shape
-    n = CONSTANTS["TIME_WIDE_BYTES"] // itemsize  # outputs per thread
-    acc = acc_bytes(itemsize)
-    chunk, threads = CONSTANTS["TIME_WIDE_CHUNK"], CONSTANTS["TIME_WIDE_THREADS"]
-    per_row = min(threads, _pow2_at_least(-(-seqlen // n)))  # threads per row
-    halo = (width - 1 + 3) // 4 * 4
-    taps = -(-(halo + 1) // chunk) * chunk
-    row_slots = bank_padded(-(-(taps + per_row * n) // 32) * 32)
-    row_bytes = (row_slots + taps) * acc + (row_slots * 8 if has_seq else 0)
-    rows = threads // per_row
-    while rows > 1 and rows * row_bytes > TIME_WIDE_SMEM_BUDGET:
-        rows //= 2
-    weights_at = rows * row_slots * acc
-    ids_at = weights_at + rows * taps * acc
-    smem = ids_at + (rows * row_slots * 8 if has_seq else 0)
-    n_tiles = -(-(batch * dim) // rows) * -(-seqlen // (per_row * n))
+def _plan_time_wide(x, out, width, has_seq, name, itemsize, device) -> Launch | None:
+    """Each warp's shared memory: two buffers of a span's width - 1 + 32 TIME_WIDE_RUN inputs,
+    as TIME_WIDE_RUN columns of ``cols`` slots (odd, so that the lanes' staging stores meet at
+    most two to a bank), then the row's taps (a multiple of 4), then
+    with seq_idx two buffers of the inputs' int64 segment ids. TIME_WIDE_WARPS warps a block,
+    fewer where they would not fit the device (float64 with seq_idx at the widest filters on
+    sm_86); None where one warp does not fit: the general kernel then."""
+    batch, dim, _ = x.shape
+    run, acc = CONSTANTS["TIME_WIDE_RUN"], acc_bytes(itemsize)
+    cols = -(-(width - 1 + 32 * run) // run) | 1
+    taps = -(-width // 4) * 4
+    ids_at = -(-(2 * cols * run + taps) * acc // 16) * 16
+    warp_bytes = ids_at + (2 * cols * run * 8 if has_seq else 0)
+    warps = CONSTANTS["TIME_WIDE_WARPS"]
+    while warps > 1 and warps * warp_bytes > shared_memory_limit(device):
+        warps //= 2
+    if warps * warp_bytes > shared_memory_limit(device):
+        return None
+    smem = warps * warp_bytes
+    rows = -(-(batch * dim) // warps)
+    grid = min(rows, resident_blocks(device, TIME_WIDE.source, name, 32 * warps, smem))
     return TIME_WIDE.launch(
-        name, min(n_tiles, MAX_GRID), (per_row, rows), smem,
-        x_aligned=_time_vectors(x, itemsize), out_aligned=_time_vectors(out, itemsize),
-        halo=halo, taps=taps, row_slots=row_slots, weights_at=weights_at, ids_at=ids_at,
+        name, grid, (32 * warps, 1), smem, out_aligned=_time_vectors(out, itemsize), cols=cols,
+        tap_slots=taps, ids_at=ids_at, warp_bytes=warp_bytes,
     )  # fmt: skip
 
 

@@ -2,186 +2,163 @@
 // it above TIME_MAX_WIDTH where tensor cores do not serve).
 //
 //   fwd_time_wide<T, SEQ>
-//       a block of blockDim.x threads per row and blockDim.y rows stages a tile of rows x time
-//       plus the K-1 halo in shared memory as A; each thread applies the taps, zero-padded to
-//       chunks of TIME_WIDE_CHUNK, to its N = TIME_WIDE_BYTES / sizeof(T) outputs.
+//       TIME_WIDE_WARPS independent warps a block; a warp takes rows (b, c) in turn and walks
+//       each in spans of 32 R outputs, R = TIME_WIDE_RUN consecutive outputs a lane. SEQ says
+//       whether seq_idx is given.
 //
-// Row r of the tile lives in shared memory as E = KP + blockDim.x * N slots of A: slot e holds
-// position t0 - H + e, with H = p.halo (K-1 rounded up to 4); the taps are zero-padded at the
-// oldest end to KP = p.taps (a multiple of TIME_WIDE_CHUNK), so output o of thread tx is
-// sum_u wsm[u] * slot(tx*N + o + u), u < KP. A row is padded by TIME_WIDE_BANK_PAD slots every
-// TIME_WIDE_BANK_RUN so that the 16-byte window reads of a quarter warp (threads N slots apart)
-// hit distinct banks; p.row_slots is a row's padded length. The plan lays out the block's
-// shared memory: the rows' slots first, the rows' taps at byte p.weights_at, the rows' segment
-// ids (SEQ) at byte p.ids_at.
+// A warp's shared memory (p.warp_bytes from byte warp * p.warp_bytes): two buffers of a span's
+// inputs (positions t0 - (K - 1) .. t0 + 32 R - 1 as A; position t0 - (K - 1) + q in slot
+// (q % R) * p.cols + q / R, so that the lanes, which read q = lane R + m at once, hit
+// consecutive slots; p.cols is odd, so the staging stores of q = lane + 32 i meet at most
+// two to a bank), then the row's taps (p.tap_slots, zero past K), then with SEQ two
+// buffers of the positions' segment ids at byte p.ids_at of the warp's part. The warp copies
+// its next span into the other buffer (float32 and float64 x by cp.async) while it computes
+// this one. A lane's R outputs slide over its inputs through a ring of R registers that the
+// loop over the taps, unrolled R at a time, indexes at compile time (the last width % R taps
+// in a predicated tail); a tap is one shared load for R FMAs (the taps broadcast, four at a
+// time).
 #include "fwd_common.cuh"
 
-__device__ __forceinline__ int padded(int e) {
-    return e + (int)((unsigned)e / TIME_WIDE_BANK_RUN * TIME_WIDE_BANK_PAD);
-}
-
-template <typename S>
-__device__ __forceinline__ void smem_load4(const S* row, int e, S* v) {
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = row[padded(e) + j];
-}
-__device__ __forceinline__ void smem_load4(const float* row, int e, float* v) {
-    const float4 q = *reinterpret_cast<const float4*>(row + padded(e));
-    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-}
-
-__device__ __forceinline__ void load4(const float* p, float* v) {  // 16-byte aligned p
-    const float4 q = *reinterpret_cast<const float4*>(p);
-    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-}
-__device__ __forceinline__ void load4(const double* p, double* v) {
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = p[j];
-}
-
-// bias + the width taps of the output whose tap 0 is at slot e of row xs (skipping other
-// segments when SEQ): the sum without the zero-padded taps. Out of line: it is rarely called.
-template <bool SEQ, typename A>
-__device__ __noinline__ A own_taps(const A* xs, const A* w, const int64* ids, int e, int width, int64 id,
-                                   A bias) {
-    A acc = bias;
-    for (int k = 0; k < width; ++k)
-        if (!SEQ || ids[padded(e + k)] == id) acc += w[k] * xs[padded(e + k)];
-    return acc;
-}
-
 template <typename T, bool SEQ>
-__global__ void __launch_bounds__(TIME_WIDE_THREADS)
+__global__ void __launch_bounds__(32 * TIME_WIDE_WARPS)
     fwd_time_wide(FWD_ARRAYS, const __grid_constant__ FwdTimeWideParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
-    constexpr int N = TIME_WIDE_BYTES / sizeof(T);  // outputs per thread
-    constexpr int CH = TIME_WIDE_CHUNK;             // taps per chunk
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int R = TIME_WIDE_RUN;
+    constexpr int SPAN = 32 * R;
     const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
-              silu_act = (int)p.silu_act, x_aligned = (int)p.x_aligned, out_aligned = (int)p.out_aligned;
+              silu_act = (int)p.silu_act, out_aligned = (int)p.out_aligned, cols = (int)p.cols;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
                 out_batch_stride = p.out_batch_stride, out_c_stride = p.out_c_stride, out_l_stride = p.out_l_stride;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int lane = threadIdx.x & 31;
+    unsigned char* const mine = smem_raw + (threadIdx.x / 32) * p.warp_bytes;
+    A* const ws = reinterpret_cast<A*>(mine + 2 * cols * R * sizeof(A));  // the row's taps
+    auto inputs = [&](int buf) { return reinterpret_cast<A*>(mine) + buf * cols * R; };
+    auto ids_of = [&](int buf) { return reinterpret_cast<int64*>(mine + p.ids_at) + buf * cols * R; };
+    auto slot = [&](int q) { return (q % R) * cols + q / R; };  // q >= 0
+    const int n_in = width - 1 + SPAN;  // a span's inputs
+    const A scale = act_scale<A>(silu_act);
 
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int H = (int)p.halo;                        // halo slots
-    const int OFF = H - (width - 1);                  // leading zero taps
-    const int KP = (int)p.taps;                       // padded taps
-    const int threads_per_row = blockDim.x;
-    const int tile_len = threads_per_row * N;
-    const int E = KP + tile_len;                      // slots per row (H + tile + slack)
-    const int row_slots = (int)p.row_slots;
-    A* const xs = reinterpret_cast<A*>(smem_raw) + ty * row_slots;
-    A* const wsm = reinterpret_cast<A*>(smem_raw + p.weights_at) + ty * KP;
-    int64* const sq = reinterpret_cast<int64*>(smem_raw + p.ids_at) + ty * row_slots;
-
-    const int64 rows = batch * dim;
-    const int64 n_chunks = (seqlen + tile_len - 1) / tile_len;
-    const int64 n_tiles = (rows + blockDim.y - 1) / blockDim.y * n_chunks;
-    for (int64 tile = blockIdx.x; tile < n_tiles; tile += p.main_blocks) {
-        int64 rg, chunk;
-        divmod(tile, n_chunks, rg, chunk);
-        const int64 row = rg * blockDim.y + ty;
-        const int64 t0 = chunk * tile_len;
-        const bool row_ok = row < rows;
-        int64 b = 0, c = 0;
-        if (row_ok) divmod(row, dim, b, c);
-        __syncthreads();  // the previous tile's readers are done
-        if (row_ok) {
-            const T* xr = x + b * x_batch_stride + c * x_c_stride;
-            const int64 tt = t0 + tx * N;  // this thread's N positions go to slots H + tx*N ..
-            A v[N];
-            if (x_aligned && tt + N <= seqlen) {
-                Vec<T> raw[N / Vec<T>::V];
-                #pragma unroll
-                for (int j = 0; j < N / Vec<T>::V; ++j) raw[j].raw = reinterpret_cast<const uint4*>(xr + tt)[j];
-                #pragma unroll
-                for (int i = 0; i < N; ++i) v[i] = to_acc(raw[i / Vec<T>::V].e[i % Vec<T>::V]);
-            } else {
-                #pragma unroll
-                for (int i = 0; i < N; ++i) v[i] = tt + i < seqlen ? to_acc(xr[(tt + i) * x_l_stride]) : A(0);
-            }
-            #pragma unroll
-            for (int i = 0; i < N; ++i) xs[padded(H + tx * N + i)] = v[i];
-            for (int e = tx; e < H; e += threads_per_row) {  // the halo
-                const int64 s = t0 - H + e;
-                xs[padded(e)] = s < -(width - 1) ? A(0) : input_at<A>(x, initial_states, p, b, c, s);
-            }
-            for (int e = H + tile_len + tx; e < E; e += threads_per_row) xs[padded(e)] = A(0);  // slack
-            if (SEQ) {
-                for (int e = tx; e < E; e += threads_per_row) {
-                    const int64 s = t0 - H + e;
-                    sq[padded(e)] = s < seqlen ? segment_id(seq_idx, p, b, s) : -1;
+    // Copies (or starts copying) the inputs (and ids) of the span from t0 of row (b, c).
+    auto stage = [&](int64 b, int64 c, int64 t0, int buf) {
+        A* const xs = inputs(buf);
+        const T* const xr = x + b * x_batch_stride + c * x_c_stride;
+        for (int q = lane; q < n_in; q += 32) {
+            const int64 pos = t0 - (width - 1) + q;
+            if constexpr (same_type<T, A>) {
+                if (pos >= 0) {  // zeros past the row
+                    const bool in_row = pos < seqlen;
+                    cp_async<sizeof(A)>(xs + slot(q), in_row ? xr + pos * x_l_stride : xr, in_row ? sizeof(A) : 0);
+                    continue;
                 }
             }
-            for (int u = tx; u < KP; u += threads_per_row)
-                wsm[u] = u >= OFF && u < OFF + width
-                             ? load_as<A>(weight, weight_dtype,
-                                          c * weight_c_stride + (u - OFF) * weight_width_stride)
-                             : A(0);
+            xs[slot(q)] = pos < seqlen ? input_at<A>(x, initial_states, p, b, c, pos) : A(0);
         }
-        __syncthreads();
-        const int64 tt = t0 + tx * N;
-        if (!row_ok || tt >= seqlen) continue;
-
-        A acc[N];
-        const A bias_c = bias ? load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
-        #pragma unroll
-        for (int o = 0; o < N; ++o) acc[o] = bias_c;
-        int64 sid[SEQ ? N : 1];
         if constexpr (SEQ) {
-            #pragma unroll
-            for (int o = 0; o < N; o += 4) smem_load4(sq, H + tx * N + o, sid + o);
-        }
-        for (int uc = 0; uc < KP; uc += CH) {
-            A win[CH + N], wv[CH];
-            #pragma unroll
-            for (int j = 0; j < CH + N; j += 4) smem_load4(xs, tx * N + uc + j, win + j);
-            #pragma unroll
-            for (int j = 0; j < CH; j += 4) load4(wsm + uc + j, wv + j);
-            if constexpr (SEQ) {
-                int64 ids[CH + N];
-                #pragma unroll
-                for (int j = 0; j < CH + N; j += 4) smem_load4(sq, tx * N + uc + j, ids + j);
-                #pragma unroll
-                for (int u = 0; u < CH; ++u)
-                    #pragma unroll
-                    for (int o = 0; o < N; ++o)
-                        if (ids[o + u] == sid[o]) acc[o] += wv[u] * win[o + u];
-            } else {
-                #pragma unroll
-                for (int u = 0; u < CH; ++u)
-                    #pragma unroll
-                    for (int o = 0; o < N; ++o) acc[o] += wv[u] * win[o + u];
+            int64* const ids = ids_of(buf);
+            for (int q = lane; q < n_in; q += 32) {
+                const int64 pos = t0 - (width - 1) + q;
+                ids[slot(q)] = pos < seqlen ? segment_id(seq_idx, p, b, pos) : -1;
             }
         }
-        // An input that is not finite also meets the zero-padded taps (0 inf = NaN): an output
-        // that is not finite is computed again from its own width taps alone.
-        bool nonfinite = false;
-        #pragma unroll
-        for (int o = 0; o < N; ++o) nonfinite |= !isfinite(acc[o]);
-        if (nonfinite) {
+    };
+
+    const int64 spans = (seqlen + SPAN - 1) / SPAN;
+    for (int64 row = grid_warp(); row < batch * dim; row += grid_warps()) {
+        int64 b, c;
+        divmod(row, dim, b, c);
+        __syncwarp();  // the previous row's readers of the taps are done
+        for (int k = lane; k < (int)p.tap_slots; k += 32)
+            ws[k] = k < width ? scale * load_as<A>(weight, weight_dtype, c * weight_c_stride + k * weight_width_stride)
+                              : A(0);
+        const A bias_c = bias ? scale * load_as<A>(bias, bias_dtype, c * bias_stride) : A(0);
+        stage(b, c, 0, 0);
+        cp_async_commit();
+        int buf = 0;
+        for (int64 s = 0; s < spans; ++s, buf ^= 1) {
+            const int64 t0 = s * SPAN;
+            if (s + 1 < spans) stage(b, c, t0 + SPAN, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncwarp();  // the span's inputs (and the taps) are in place
+
+            // Output t0 + lane R + r reads slot q = lane R + r + k at tap k; win[(r + j) % R]
+            // holds q = lane R + k0 + j + r at tap k0 + j.
+            // Slot q = lane R + R kb + m (m < 2 R known at compile time) is at column m % R,
+            // row lane + kb + m / R: at(m) + kb.
+            const A* const xs = inputs(buf) + lane;
+            const int64* const ids = ids_of(buf) + lane;
+            auto at = [&](int m) { return (m % R) * cols + m / R; };
+            A acc[R], win[R];
             #pragma unroll
-            for (int o = 0; o < N; ++o)
-                if (!isfinite(acc[o]))
-                    acc[o] = own_taps<SEQ>(xs, wsm + OFF, sq, tx * N + o + OFF, width, sid[SEQ ? o : 0], bias_c);
-        }
-        constexpr int VN = Vec<T>::V;
-        Vec<T> res[N / VN];
-        #pragma unroll
-        for (int o = 0; o < N; ++o)
-            res[o / VN].e[o % VN] = from_acc<T>(finish(acc[o], SEQ && sid[SEQ ? o : 0] < 0, silu_act));
-        T* orow = out + b * out_batch_stride + c * out_c_stride;
-        if (out_aligned && tt + N <= seqlen) {
+            for (int r = 0; r < R; ++r) {
+                acc[r] = bias_c;
+                if (r < R - 1) win[r] = xs[at(r)];
+            }
+            int64 out_id[SEQ ? R : 1], id_win[SEQ ? R : 1];
+            if constexpr (SEQ) {
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    out_id[r] = ids_of(buf)[slot(lane * R + r + width - 1)];
+                    if (r < R - 1) id_win[r] = ids[at(r)];
+                }
+            }
+            auto tap = [&](int kb, int j, A w) {  // tap R kb + j, j < R known at compile time
+                win[(j + R - 1) % R] = xs[at(j + R - 1) + kb];
+                if constexpr (SEQ) {
+                    id_win[(j + R - 1) % R] = ids[at(j + R - 1) + kb];
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (id_win[(r + j) % R] == out_id[r]) acc[r] += w * win[(r + j) % R];
+                } else {
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] += w * win[(r + j) % R];
+                }
+            };
+            int kb = 0;
+            #pragma unroll 1
+            for (; R * kb + R <= width; ++kb) {
+                #pragma unroll
+                for (int j = 0; j < R; j += 4) {
+                    A w[4];
+                    if constexpr (same_type<A, float>) {
+                        const float4 q = *reinterpret_cast<const float4*>(ws + R * kb + j);
+                        w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) w[i] = ws[R * kb + j + i];
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) tap(kb, j + i, w[i]);
+                }
+            }
             #pragma unroll
-            for (int j = 0; j < N / VN; ++j) reinterpret_cast<uint4*>(orow + tt)[j] = res[j].raw;
-        } else {
-            #pragma unroll
-            for (int o = 0; o < N; ++o)
-                if (tt + o < seqlen) orow[(tt + o) * out_l_stride] = res[o / VN].e[o % VN];
+            for (int j = 0; j < R - 1; ++j)
+                if (R * kb + j < width) tap(kb, j, ws[R * kb + j]);
+
+            const int64 o = t0 + lane * R;  // the lane's first output
+            if (o < seqlen) {
+                Vec<T> res[R * sizeof(T) / 16];
+                if constexpr (SEQ) {
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (out_id[r] < 0) acc[r] = A(0);  // padding (act(0) = 0)
+                }
+                activate_store(acc, silu_act, reinterpret_cast<T*>(res));
+                T* const dst = out + b * out_batch_stride + c * out_c_stride;
+                if (out_aligned && o + R <= seqlen) {
+                    #pragma unroll
+                    for (int v = 0; v < R * (int)sizeof(T) / 16; ++v) reinterpret_cast<uint4*>(dst + o)[v] = res[v].raw;
+                } else {
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (o + r < seqlen) dst[(o + r) * out_l_stride] = reinterpret_cast<const T*>(res)[r];
+                }
+            }
+            __syncwarp();  // buffer buf is read
         }
     }
 }
-

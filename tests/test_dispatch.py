@@ -387,6 +387,35 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize(
+    "limit,dtype,seq,width,warps",
+    [
+        (SM90_SMEM, np.float32, False, 18, 4), (SM90_SMEM, np.float32, True, 256, 4),
+        (SM90_SMEM, np.float64, True, 256, 4),
+        (SM86_SMEM, np.float64, True, 256, 2),  # four warps' parts do not fit
+    ],
+)  # fmt: skip
+def test_time_wide_layout(launches, monkeypatch, limit, dtype, seq, width, warps):
+    """fwd_time_wide's warp parts: two buffers of width - 1 + 32 R inputs in R columns of
+    ``cols`` slots (odd), the taps rounded up to 4, with seq_idx two buffers
+    of int64 ids; as many warps a block (up to TIME_WIDE_WARPS) as fit the device."""
+    fake_device(monkeypatch, limit)
+    x = FakeCudaArray((2, 40, 3000), dtype=dtype)
+    ids = FakeCudaArray((2, 3000), dtype=np.int32) if seq else None
+    cupyconv.causal_conv1d_fn(x, FakeCudaArray((40, width), dtype=dtype), seq_idx=ids)
+    ((name, plan, params),) = launches
+    t = "float" if dtype == np.float32 else "double"
+    assert name == f"fwd_time_wide<{t}, {str(seq).lower()}>"
+    run, acc = _forward_plan.CONSTANTS["TIME_WIDE_RUN"], np.dtype(dtype).itemsize
+    cols = params["cols"]
+    assert cols % 2 == 1 and cols * run >= width - 1 + 32 * run > (cols - 2) * run
+    assert params["tap_slots"] == -(-width // 4) * 4
+    assert params["ids_at"] % 16 == 0
+    assert params["ids_at"] >= (2 * cols * run + params["tap_slots"]) * acc
+    assert params["warp_bytes"] == params["ids_at"] + (2 * cols * run * 8 if seq else 0)
+    assert plan.block == (32 * warps, 1) and plan.smem == warps * params["warp_bytes"] <= limit
+
+
+@pytest.mark.parametrize(
     "limit,width,steps,buffers",
     [
         (SM90_SMEM, 17, 256, 2), (SM90_SMEM, 64, 256, 2),
