@@ -267,6 +267,7 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
 
 
 H = "__half"
+WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles above width 8
 
 
 @pytest.mark.parametrize(
@@ -279,10 +280,10 @@ H = "__half"
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma<{H}, 3, false, 8>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 15
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
-        (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 15, false, 32, 4>"),
-        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_channel<{H}, 14, false, 32, 4>"),
-        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_channel<{H}, 13, false, 32, 4>"),  # noqa: E501
-        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", f"fwd_channel<{H}, 9, false, 32, 4>"),
+        (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(15)),
+        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(14)),
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", WIDE_CHANNEL.format(13)),
+        (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", WIDE_CHANNEL.format(9)),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
         (F32, F32, None, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
