@@ -307,13 +307,13 @@ def shared_memory_limit(device: int) -> int:
 
 
 # Shared-memory rows of 4- or 8-byte values that threads read in 16-byte windows a fixed number
-# of slots apart gain BANK_PAD slots every BANK_RUN (fwd_time_wide, bwd_wide): the reads of a
+# of slots apart gain BANK_PAD slots every BANK_RUN (bwd_wide): the reads of a
 # quarter warp then hit distinct banks.
 BANK_RUN, BANK_PAD = 32, 4
 
 
 def bank_padded(slots: int) -> int:
-    """Slot ``slots`` of such a row after the padding (the kernels' ``padded`` / ``wide_slot``)."""
+    """Slot ``slots`` of such a row after the padding (bwd_wide's ``wide_slot``)."""
     return slots + slots // BANK_RUN * BANK_PAD
 
 
