@@ -334,6 +334,38 @@ def test_channel_last_wide_lane_vectors(dtype, layout, dim):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "layout,dtype,wdtype,width,segments,kernel",
+    [
+        ("cl", "float32", "float32", 17, 0, "fwd_channel_wide"),  # two buffers
+        ("cl", "float64", "float64", 100, 0, "fwd_channel_wide"),
+        ("cl", "float16", "float32", 64, 0, "fwd_channel_wide"),  # x through registers
+        ("cl", "float32", "bfloat16", 200, 0, "fwd_channel_wide"),  # one buffer, taps converted
+        ("cf", "float32", "float32", 33, 0, "fwd_time_wide"),
+        ("cf", "bfloat16", "bfloat16", 20, 3, "fwd_time_wide"),  # seq_idx
+        ("cf", "float64", "float64", 256, 0, "fwd_time_wide"),
+    ],
+)  # fmt: skip
+def test_wide_kernels_in_a_grid_of_one_block(
+    monkeypatch, layout, dtype, wdtype, width, segments, kernel
+):
+    """fwd_channel_wide and fwd_time_wide with a grid of one block: its warps take every tile
+    (row) in turn, so the copies of the next tile (span) into the other buffer, the taps staged
+    again for each tile (row), a last strip of 8 channels and last tiles cut by the row's end
+    all run many times in one launch."""
+    from cupyconv import _fast, _forward_plan
+
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 1)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    run_case(
+        3, 200, 1300, width, dtype, wdtype, layout=layout, segments=segments, padding=segments > 0,
+        init=True, final=True,
+    )  # fmt: skip
+    launched = [plan.name for plan in _forward_plan._plans.values()]
+    assert any(name.startswith(kernel + "<") for name in launched), launched
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_short_rows_with_states(layout):
     for seqlen, width in ((1, 4), (2, 4), (3, 8), (1, 33)):
