@@ -26,6 +26,9 @@ Providers, all in the same run:
   groups=dim)[..., :seqlen])`` (no SiLU when the activation is None), no TF32.
 - ``causal_conv1d``: the reference library, when importable and the case is within what it
   supports (widths 2..4).
+- ``cudnn``: the cuDNN frontend's ``cudnn.ops.causal_conv1d(x, weight, bias, activation=...)``
+  (``pip install nvidia-cudnn-frontend``; its generic route needs cuDNN 9.22 or newer), when
+  importable; a call it refuses makes its row an error with the reason.
 
 Bytes moved by a provider are the minimum traffic: x read + out written + weight + bias. GB/s is
 those bytes over the median time; ``copy/time`` is the copy's time over the provider's time (1.0
@@ -62,7 +65,7 @@ CHECK_BUDGET = 1 << 27
 #: Most calls in one timed loop.
 MAX_CALLS = 10_000
 
-PROVIDERS = ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d")
+PROVIDERS = ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d", "cudnn")
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -264,8 +267,9 @@ def copy_provider(x):
     return lambda: dst.copy_(src), None
 
 
-def make_providers(case: Case, x, weight, bias, reference_fn):
-    """{provider: (fn, skip reason)} in table order; fn is None where the provider is skipped."""
+def make_providers(case: Case, x, weight, bias, reference_fn, cudnn_fn=None):
+    """{provider: (fn, skip reason)} in table order; fn is None where the provider is skipped.
+    ``reference_fn`` and ``cudnn_fn``: the optional baselines (None when not importable)."""
     import cupyconv
 
     weight3 = weight.unsqueeze(1)
@@ -287,6 +291,8 @@ def make_providers(case: Case, x, weight, bias, reference_fn):
             )
         else:
             providers["causal_conv1d"] = (None, f"width {case.width} outside 2..4")
+    if cudnn_fn is not None:
+        providers["cudnn"] = (lambda: cudnn_fn(x, weight, bias, activation=case.activation), None)
     return providers
 
 
@@ -421,7 +427,9 @@ def measure_case(
     return with_copy_ratios(rows)
 
 
-def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float):
+def run_case(
+    case: Case, reference_fn, *, do_check: bool, repeats: int, target_ms: float, cudnn_fn=None
+):
     """The forward rows of one case (``measure_case``): x read + out written + weight + bias,
     the copy's read + write."""
 
@@ -432,7 +440,7 @@ def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_m
 
     def setup():
         x, weight, bias = make_inputs(case)
-        providers = make_providers(case, x, weight, bias, reference_fn)
+        providers = make_providers(case, x, weight, bias, reference_fn, cudnn_fn)
 
         def checker():
             subset = check_subset(case)
@@ -444,10 +452,11 @@ def run_case(case: Case, reference_fn, *, do_check: bool, repeats: int, target_m
 
         return providers, checker
 
+    absent = {"causal_conv1d": reference_fn is None, "cudnn": cudnn_fn is None}
     return measure_case(
         case,
         setup,
-        names=PROVIDERS if reference_fn is not None else PROVIDERS[:-1],
+        names=tuple(name for name in PROVIDERS if not absent.get(name)),
         bytes_of=bytes_of,
         do_check=do_check,
         repeats=repeats,
@@ -512,10 +521,10 @@ def print_table(
     versions = f"torch {meta['torch']}  cupyconv {meta['cupyconv']}  "
     if "jax" in meta:
         versions += f"jax {meta['jax'] or 'not installed'}  "
-    print(
-        f"device: {meta['device']}  {versions}"
-        f"causal_conv1d {meta['causal_conv1d'] or 'not installed'}"
-    )
+    versions += f"causal_conv1d {meta['causal_conv1d'] or 'not installed'}"
+    if "cudnn" in meta:
+        versions += f"  cudnn frontend {meta['cudnn'] or 'not installed'}"
+    print(f"device: {meta['device']}  {versions}")
     copy_rates = [row["gbps"] for row in rows if row["provider"] == "copy" and row["gbps"]]
     if copy_rates:
         scale, spec = (1e-3, ".2f") if unit == "TB/s" else (1.0, ".0f")
@@ -620,10 +629,23 @@ def load_reference():
     return causal_conv1d, reference_fn
 
 
+def load_cudnn():
+    """(the cuDNN frontend's ``cudnn.ops.causal_conv1d``, its version and its cuDNN's), or
+    (None, None) when it is not importable (not installed, or no cuDNN library it can load)."""
+    try:
+        cudnn = importlib.import_module("cudnn")
+        fn = importlib.import_module("cudnn.ops").causal_conv1d
+        backend = cudnn.backend_version()
+    except Exception:  # noqa: BLE001 (any failure to load it means: not importable)
+        return None, None
+    return fn, f"{getattr(cudnn, '__version__', 'unknown')} (cuDNN {backend})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Forward benchmark of cupyconv.causal_conv1d_fn against a device-to-device "
-        "copy of x's bytes, torch conv1d and causal_conv1d (when importable).",
+        "copy of x's bytes, torch conv1d, causal_conv1d and the cuDNN frontend (when "
+        "importable).",
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -647,12 +669,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.py needs a CUDA device; torch sees none")
     use_ieee_fp32_convs(torch)
     causal_conv1d, reference_fn = load_reference()
+    cudnn_fn, cudnn_version = load_cudnn()
 
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cupyconv": getattr(cupyconv, "__version__", "unknown"),
         "causal_conv1d": causal_conv1d and getattr(causal_conv1d, "__version__", "unknown"),
+        "cudnn": cudnn_version,
         "repeats": repeats,
         "target_ms": target_ms,
         "checked": not args.no_check,
@@ -660,8 +684,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for case in cases:
         rows += run_case(
-            case, reference_fn, do_check=not args.no_check, repeats=repeats, target_ms=target_ms
-        )
+            case, reference_fn, do_check=not args.no_check, repeats=repeats, target_ms=target_ms,
+            cudnn_fn=cudnn_fn,
+        )  # fmt: skip
         torch.cuda.empty_cache()
 
     print_table(rows, meta)

@@ -18,13 +18,17 @@ with median and spread, copy/time, JSON and chart); this script adds two tables.
 - ``causal_conv1d``: the reference library's backward binding
   (``causal_conv1d.cpp_functions.causal_conv1d_bwd_function``, or
   ``causal_conv1d_cuda.causal_conv1d_bwd`` in releases without it), widths 2..4, when importable.
+- ``cudnn``: the cuDNN frontend's ``cudnn.ops.causal_conv1d`` built once with autograd, then per
+  call ``torch.autograd.grad`` as for torch: its backward alone, when importable
+  (``bench.load_cudnn``).
 
 ``train``: one training step, forward and backward, on leaf tensors with requires_grad:
 ``out = f(x, weight, bias); out.backward(dout)``, the gradients set to None before each step (as
 ``optimizer.zero_grad()`` does) so that none is accumulated into an old one.
 
 - ``copy``; ``cupyconv`` (``cupyconv.causal_conv1d_fn``: its torch autograd); ``torch``
-  (``F.conv1d`` autograd); ``causal_conv1d`` (the reference library's autograd, widths 2..4).
+  (``F.conv1d`` autograd); ``causal_conv1d`` (the reference library's autograd, widths 2..4);
+  ``cudnn`` (the cuDNN frontend's autograd).
 - ``cupyconv jax``: ``jax.jit`` of a step returning out and its vector-Jacobian product with
   dout (``jax.vjp`` of ``cupyconv.jax.causal_conv1d_fn``): the analogue of ``.backward(dout)``
   (``jax.grad`` of a scalar loss would add a reduction over out that the torch rows do not pay).
@@ -79,8 +83,8 @@ from bench import Case, error_text, fmt, note, us_spread  # noqa: E402
 TABLES = ("bwd", "train")
 
 PROVIDERS = {
-    "bwd": ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d"),
-    "train": ("copy", "cupyconv", "torch", "causal_conv1d", "cupyconv jax", "jax conv"),
+    "bwd": ("copy", "cupyconv", "cupyconv graph", "torch", "causal_conv1d", "cudnn"),
+    "train": ("copy", "cupyconv", "torch", "causal_conv1d", "cudnn", "cupyconv jax", "jax conv"),
 }
 
 #: x's bytes a provider moves at least, per table (the copy: 2, its read and write).
@@ -102,7 +106,7 @@ JAX_PROVIDERS = ("cupyconv jax", "jax conv")
 #: Baselines timed even when their check fails (the row says so): torch's autograd rounds SiLU's
 #: gradient to bfloat16 before its convolution backward, which puts its bf16 dweight (and at
 #: some widths dx) outside the contract's tolerances.
-BASELINES = ("torch", "causal_conv1d", "jax conv")
+BASELINES = ("torch", "causal_conv1d", "cudnn", "jax conv")
 
 
 def bwd_cases() -> list[Case]:
@@ -176,6 +180,7 @@ class Env:
     reference_fn: Callable | None = None  # causal_conv1d.causal_conv1d_fn (autograd)
     reference_bwd: Callable | None = None  # (x, weight, bias, dout, silu) -> (dx, dw, db, dinit)
     reference_bwd_name: str | None = None
+    cudnn_fn: Callable | None = None  # cudnn.ops.causal_conv1d (autograd)
     jax: Any = None
     jax_reason: str | None = "JAX not loaded"
     cupyconv_jax: Any = None
@@ -312,20 +317,24 @@ def bwd_providers(case: Case, x, weight, bias, dout, env: Env) -> dict:
     def ours():
         return cupyconv.causal_conv1d_bwd(x, weight, bias, dout, activation=case.activation)
 
-    xg, wg, bg = leaves(x, weight, bias)
-    with torch.enable_grad():
-        out = bench.torch_conv(case, xg, wg.unsqueeze(1), bg)
-    inputs = [t for t in (xg, wg, bg) if t is not None]
+    def backward_of(forward):
+        """fn() -> torch.autograd.grad of ``forward``'s output, built once, for dout."""
+        xg, wg, bg = leaves(x, weight, bias)
+        with torch.enable_grad():
+            out = forward(xg, wg, bg)
+        inputs = [t for t in (xg, wg, bg) if t is not None]
 
-    def torch_bwd():
-        grads = torch.autograd.grad(out, inputs, dout, retain_graph=True)
-        return grads if bg is not None else (*grads, None)
+        def grads():
+            result = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+            return result if bg is not None else (*result, None)
+
+        return grads
 
     providers = {
         "copy": bench.copy_provider(x),
         "cupyconv": (ours, None),
         "cupyconv graph": bench.graphed(ours),
-        "torch": (torch_bwd, None),
+        "torch": (backward_of(lambda x, w, b: bench.torch_conv(case, x, w.unsqueeze(1), b)), None),
     }
     if env.reference_bwd is not None:
         silu = case.activation is not None
@@ -336,6 +345,12 @@ def bwd_providers(case: Case, x, weight, bias, dout, env: Env) -> dict:
             )
         else:
             providers["causal_conv1d"] = (None, f"width {case.width} outside 2..4")
+    if env.cudnn_fn is not None:
+        cudnn_forward = partial(env.cudnn_fn, activation=case.activation)
+        try:
+            providers["cudnn"] = (backward_of(cudnn_forward), None)
+        except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
+            providers["cudnn"] = (None, f"forward refused: {error_text(exc)}")
     return providers
 
 
@@ -463,6 +478,9 @@ def train_providers(case: Case, x, weight, bias, dout, env: Env):
             providers["causal_conv1d"] = (autograd_step(reference, x, weight, bias, dout), None)
         else:
             providers["causal_conv1d"] = (None, f"width {case.width} outside 2..4")
+    if env.cudnn_fn is not None:
+        cudnn_forward = partial(env.cudnn_fn, activation=case.activation)
+        providers["cudnn"] = (autograd_step(cudnn_forward, x, weight, bias, dout), None)
     picks = {}
     for name, reason, make_conv in (
         ("cupyconv jax", env.cupyconv_jax_reason, cupyconv_jax_conv),
@@ -528,9 +546,11 @@ def run_case(
     timers = {name: partial(host_timer, sync=jax_sync) for name in JAX_PROVIDERS}
     if timer is not None:
         timers.update({name: timer for name in PROVIDERS[table] if name not in JAX_PROVIDERS})
-    names = PROVIDERS[table]
-    if (env.reference_bwd if table == "bwd" else env.reference_fn) is None:
-        names = tuple(name for name in names if name != "causal_conv1d")
+    absent = {
+        "causal_conv1d": (env.reference_bwd if table == "bwd" else env.reference_fn) is None,
+        "cudnn": env.cudnn_fn is None,
+    }
+    names = tuple(name for name in PROVIDERS[table] if not absent.get(name))
     rows = bench.measure_case(
         case,
         setup,
@@ -636,8 +656,8 @@ def parse_tables(parser: argparse.ArgumentParser, text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Backward (cupyconv.causal_conv1d_bwd) and training-step (torch autograd, "
-        "JAX) benchmarks against a device-to-device copy of x's bytes, torch conv1d and "
-        "causal_conv1d (when importable).",
+        "JAX) benchmarks against a device-to-device copy of x's bytes, torch conv1d, "
+        "causal_conv1d and the cuDNN frontend (when importable).",
     )
     parser.add_argument(
         "--table",
@@ -679,6 +699,7 @@ def main(argv: list[str] | None = None) -> None:
     causal_conv1d, reference_fn = bench.load_reference()
     env = Env(reference_fn=reference_fn)
     env.reference_bwd, env.reference_bwd_name = load_reference_bwd()
+    env.cudnn_fn, cudnn_version = bench.load_cudnn()
     if "train" in tables and cases["train"]:
         load_jax(env)
 
@@ -692,6 +713,7 @@ def main(argv: list[str] | None = None) -> None:
         "cupy": module_version("cupy"),
         "causal_conv1d": causal_conv1d and getattr(causal_conv1d, "__version__", "unknown"),
         "causal_conv1d_bwd": env.reference_bwd_name,
+        "cudnn": cudnn_version,
         "python": platform.python_version(),
         "repeats": repeats,
         "target_ms": target_ms,

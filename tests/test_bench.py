@@ -292,3 +292,74 @@ def test_jax_rows_on_cpu(env):
         assert rows["cupyconv jax"]["check"] == "ok", rows["cupyconv jax"]["message"]
     else:
         assert rows["cupyconv jax"]["status"] == "skipped"
+
+
+# ---- the cuDNN frontend's rows -------------------------------------------------------------------
+
+
+def fake_cudnn_conv(x, weight, bias=None, activation=None):
+    """Stands in for ``cudnn.ops.causal_conv1d`` on CPU tensors (differentiable)."""
+    import torch.nn.functional as F
+
+    width, seqlen = weight.shape[1], x.shape[2]
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])
+    out = out[..., :seqlen]
+    return out if activation is None else F.silu(out)
+
+
+@pytest.mark.parametrize("table", bench_bwd.TABLES)
+def test_cudnn_rows_on_cpu(env, table):
+    env.cudnn_fn = fake_cudnn_conv
+    rows = by_provider(run(table, Case(2, 16, 40, "cl", dtype="float32", width=7), env))
+    assert list(rows).index("cudnn") == list(rows).index("torch") + 1
+    assert rows["cudnn"]["status"] == "ok" and rows["cudnn"]["check"] == "ok"
+    assert rows["cudnn"]["us_median"] == 11.0
+
+
+def test_cudnn_refusing_a_call_is_reported(env):
+    def refuses(*args, **kwargs):
+        raise NotImplementedError("the current backend cannot execute this call")
+
+    env.cudnn_fn = refuses
+    rows = by_provider(run("bwd", Case(1, 8, 32, dtype="float32"), env))
+    assert rows["cudnn"]["status"] == "skipped"
+    assert rows["cudnn"]["message"] == (
+        "forward refused: NotImplementedError: the current backend cannot execute this call"
+    )
+    rows = by_provider(run("train", Case(1, 8, 32, dtype="float32"), env))
+    assert rows["cudnn"]["status"] == "error"
+    assert rows["cudnn"]["message"].startswith("NotImplementedError: the current backend")
+    assert rows["torch"]["status"] == "ok"
+
+
+def test_cudnn_absent_leaves_no_row(env):
+    rows = by_provider(run("bwd", Case(1, 8, 32, dtype="float32"), env))
+    assert "cudnn" not in rows
+
+
+def test_load_cudnn(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn raises ImportError
+    assert bench.load_cudnn() == (None, None)
+    ops = types.ModuleType("cudnn.ops")
+    ops.causal_conv1d = fake_cudnn_conv
+    module = types.ModuleType("cudnn")
+    module.__version__, module.backend_version, module.ops = "1.32.0", lambda: 92200, ops
+    monkeypatch.setitem(sys.modules, "cudnn", module)
+    monkeypatch.setitem(sys.modules, "cudnn.ops", ops)
+    assert bench.load_cudnn() == (fake_cudnn_conv, "1.32.0 (cuDNN 92200)")
+
+
+def test_forward_providers_and_header_name_cudnn(capsys):
+    torch = pytest.importorskip("torch")
+    case = Case(1, 8, 32, dtype="float32", width=5)
+    x, weight, bias = (torch.randn(*s) for s in ((1, 8, 32), (8, 5), (8,)))
+    providers = bench.make_providers(case, x, weight, bias, None, fake_cudnn_conv)
+    assert list(providers) == ["copy", "cupyconv", "cupyconv graph", "torch", "cudnn"]
+    fn, skip = providers["cudnn"]
+    want = bench.torch_conv(case, x, weight.unsqueeze(1), bias)
+    assert skip is None and torch.equal(fn(), want)
+    meta = {"device": "H200", "torch": "2.11", "cupyconv": "0.1.0", "causal_conv1d": None}
+    bench.print_table([], meta | {"cudnn": None})
+    assert "causal_conv1d not installed  cudnn frontend not installed" in capsys.readouterr().out
