@@ -23,14 +23,11 @@ from dataclasses import dataclass
 from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES
 from ._launch import (
-    BANK_PAD,
-    BANK_RUN,
     MAX_GRID,
     Kernel,
     Launch,
     ParamBlock,
     acc_bytes,
-    bank_padded,
     bind_sources,
     dtype_code,
     fast_divisor,
@@ -56,8 +53,8 @@ CONSTANTS = {
     "WIDE_BLOCKS": 2,  # bwd_wide: blocks an SM its register budget is set for (float64: 1)
     "WIDE_TILE": 256,  # bwd_wide: positions a tile (>= the widest filter's K - 1)
     "WIDE_BATCH": 8,  # bwd_wide: loads a thread has in flight while it stages rows
-    "WIDE_BANK_RUN": BANK_RUN,  # bwd_wide: a staged row's bank padding (_launch.bank_padded)
-    "WIDE_BANK_PAD": BANK_PAD,
+    "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
+    "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
@@ -433,10 +430,12 @@ def _channels_fastest(a: Array) -> bool:
 def _wide_layout(width: int, itemsize: int) -> tuple[dict, int]:
     """A bwd_wide block's shared memory (accumulation type): WIDE_CHANNELS rows of x, then of
     dz, of ``row_slots`` slots each (WIDE_TILE positions and the 8 (width // 8) + 16 a window
-    read reaches past them, bank-padded); then the taps and the reversed
-    taps, ``tap_slots`` each (the last tap block whole). Returns the plan fields and the bytes."""
+    read reaches past them, WIDE_BANK_PAD slots every WIDE_BANK_RUN); then the taps and the
+    reversed taps, ``tap_slots`` each (the last tap block whole). Returns the plan fields and
+    the bytes."""
     acc, channels = acc_bytes(itemsize), CONSTANTS["WIDE_CHANNELS"]
-    row_slots = bank_padded(CONSTANTS["WIDE_TILE"] + 8 * (width // 8) + 16)
+    reach = CONSTANTS["WIDE_TILE"] + 8 * (width // 8) + 16
+    row_slots = reach + reach // CONSTANTS["WIDE_BANK_RUN"] * CONSTANTS["WIDE_BANK_PAD"]
     tap_slots = 8 * (width // 8) + 8
     dz_at = channels * row_slots * acc
     taps_at = 2 * dz_at

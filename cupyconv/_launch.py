@@ -306,17 +306,6 @@ def shared_memory_limit(device: int) -> int:
     return limit
 
 
-# Shared-memory rows of 4- or 8-byte values that threads read in 16-byte windows a fixed number
-# of slots apart gain BANK_PAD slots every BANK_RUN (bwd_wide): the reads of a
-# quarter warp then hit distinct banks.
-BANK_RUN, BANK_PAD = 32, 4
-
-
-def bank_padded(slots: int) -> int:
-    """Slot ``slots`` of such a row after the padding (bwd_wide's ``wide_slot``)."""
-    return slots + slots // BANK_RUN * BANK_PAD
-
-
 def acc_bytes(itemsize: int) -> int:
     """Bytes of the accumulation type of x's dtype (double for float64, else float)."""
     return 8 if itemsize == 8 else 4

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         stage_tile(0);
 
         // With SiLU, the taps and bias scaled (silu_grad_scaled), and so are dz and dw.
-        const A scale = silu_act ? silu_scale<A>() : A(1);
+        const A scale = act_scale<A>(silu_act);
         A w[K][V], bias_v[V] = {};
         #pragma unroll
         for (int v = 0; v < V; ++v) {

@@ -74,14 +74,11 @@ __device__ __forceinline__ double silu_grad(double z) {
 }
 
 // The same in the frame of bwd_time and bwd_channel with SiLU: their taps and bias come
-// multiplied by silu_scale (float: -log2(e)), so the pre-activation they sum is z' = scale z,
-// ready for ex2; their dz is dz' = dz / scale (so dx = sum of scaled taps x dz'), and their
-// dweight / dbias sums are multiplied by the scale once at the end. silu_grad_scaled(z') =
-// silu_grad(z) / scale: 7 instructions an element (silu_grad with its exp scale takes 8).
-template <typename A>
-__device__ __forceinline__ constexpr A silu_scale() {
-    return sizeof(A) == 4 ? A(-1.4426950408889634) : A(1);
-}
+// multiplied by act_scale (common.cuh; float: -log2(e)), so the pre-activation they sum is
+// z' = scale z, ready for ex2; their dz is dz' = dz / scale (so dx = sum of scaled taps x dz'),
+// and their dweight / dbias sums are multiplied by the scale once at the end.
+// silu_grad_scaled(z') = silu_grad(z) / scale: 7 instructions an element (silu_grad with its
+// exp scale takes 8).
 __device__ __forceinline__ float silu_grad_scaled(float zs) {
     constexpr float ln2 = 0.6931471805599453f, ln2_sq = 0.4804530139182014f;
     float e, r;

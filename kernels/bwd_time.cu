@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             }
             cp_async_commit();
             if (first_chunk) {  // with SiLU: scaled (silu_grad_scaled), as are dz and dw
-                const A scale = silu_act ? silu_scale<A>() : A(1);
+                const A scale = act_scale<A>(silu_act);
                 #pragma unroll
                 for (int k = 0; k < K; ++k) w[k] = scale * __shfl_sync(0xffffffffu, mine, k);
                 bias_c = scale * __shfl_sync(0xffffffffu, mine, K);
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
         }
         const int k = (lane >> (5 - LOG)) & (P - 1);
         if ((lane & ((1 << (5 - LOG)) - 1)) == 0 && k <= K) {
-            const A scale = silu_act ? silu_scale<A>() : A(1);
+            const A scale = act_scale<A>(silu_act);
             write_sum(partials, dweight, dbias, p, run, c, k, scale * dw[0]);
         }
     }

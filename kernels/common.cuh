@@ -244,12 +244,13 @@ __device__ __forceinline__ void load_run(const S* p, A* dst) {
 // a = s z with s = act_scale<A>(silu_act) (-log2(e) for SiLU in float32, else 1), and
 // silu_scaled(a) = z / (1 + 2^a) = a / (s + s 2^a): one exp2, one FMA, one reciprocal and one
 // FMA per output (its + 0 makes a zero a +0). float64 is not scaled and takes the exact silu.
+constexpr float SILU_SCALE = -1.4426950408889634f;  // -log2(e)
 template <typename A>
 __device__ __forceinline__ A act_scale(int silu_act) {
-    return silu_act && same_type<A, float> ? A(-1.4426950408889634) : A(1);
+    return silu_act && same_type<A, float> ? A(SILU_SCALE) : A(1);
 }
 __device__ __forceinline__ float silu_scaled(float a) {
-    constexpr float s = -1.4426950408889634f;
+    constexpr float s = SILU_SCALE;
     float e, r, z;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(a));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, s, s)));
