@@ -54,7 +54,11 @@ TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_t
 # up to 13) and channel-contiguous x (fwd_channel is faster up to 15); benchmarks/NOTES.md,
 # "fwd_mma on both layouts" and "fwd_channel at widths 9 to 16".
 MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 16
+# fwd_mma for float32 x (time-contiguous, the window and the taps split into bfloat16 parts)
+# from this width on: fwd_time serves the narrower ones at the copy's speed.
+MMA_F32_MIN_WIDTH = TIME_MAX_WIDTH + 1
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
+MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an input with it)
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -130,9 +134,11 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     TIME_SHORT_ROW bytes; "channel" channel-contiguous x in lane vectors (up to
     CHANNEL_MAX_WIDTH, with seq_idx up to CHANNEL_NARROW_WIDTH), "channel_wide" other channel-
     contiguous x above CHANNEL_NARROW_WIDTH without seq_idx; "general" any strides;
-    "final_states" the final states. Where tensor cores are exact (``tensor_cores``),
-    "mma" replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel"
-    from MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x)."""
+    "final_states" the final states. Where the states allow them (``states_staged``), "mma"
+    replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
+    MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
+    x with them time-contiguous only); time-contiguous float32 x takes fwd_mma from
+    MMA_F32_MIN_WIDTH on, split into bfloat16 parts."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)
@@ -145,12 +151,17 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
+    if dtype == "float32" and not seq and width >= MMA_F32_MIN_WIDTH:
+        name = f"fwd_mma<{t}, {mma_steps(width)}, true, 0>"  # any weights: split
+        table["mma"] = table["mma_split"] = (MMA, name)
     if dtype in ("bfloat16", "float16") and not seq:
         ks = mma_steps(width)
         for cl, cl_kind in ((False, ""), (True, "_cl")):
             if width < (MMA_CL_MIN_WIDTH if cl else MMA_MIN_WIDTH):
                 continue
-            for split in (False, True) if dtype == "bfloat16" else (False,):
+            for split in (False, True):
+                if split and cl and dtype == "float16":
+                    continue  # (float16 x with other weights: the CUDA-core kernels)
                 warps = mma_cl_warps(ks, split) if cl else 0
                 name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"
                 table["mma" + cl_kind + ("_split" if split else "")] = (MMA, name)
@@ -162,15 +173,13 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
 
-def tensor_cores(x: Array, weight: Array, initial_states: Array | None) -> bool:
-    """Whether fwd_mma computes exactly what the float32 kernels do: bfloat16 x (any weights,
-    split into two bfloat16 parts), or float16 x and weights; initial_states (staged with x)
-    of x's dtype."""
-    if x.dtype_name == "bfloat16":
-        ok = True
-    else:
-        ok = x.dtype_name == "float16" and weight.dtype_name == "float16"
-    return ok and (initial_states is None or initial_states.dtype_name == x.dtype_name)
+def states_staged(x: Array, initial_states: Array | None) -> bool:
+    """Whether fwd_mma may stage initial_states with x: of x's dtype, or none. Which dtypes of
+    x and the weights take it on which layouts, the dispatch table says: 16-bit x with weights
+    of x's dtype; bfloat16 x with other weights (split into two bfloat16 parts); float32 x, and
+    float16 x with other weights, time-contiguous (x split into two bfloat16 parts too: exactly
+    for float16, within 2^-16 of each term for float32)."""
+    return initial_states is None or initial_states.dtype_name == x.dtype_name
 
 
 def all_forward_instances(dtypes=tuple(C_TYPES), widths=WIDTHS) -> dict[Source, list[str]]:
@@ -201,9 +210,10 @@ def plan_forward(
     device: int,
 ) -> Launch:
     """Pick the kernel and launch shape from the strides of x (and out) and, for wide filters,
-    whether tensor cores are exact for the operands (``tensor_cores``); memoised per layout."""
+    the dtypes of x and the weights and whether the states allow tensor cores
+    (``states_staged``); memoised per layout."""
     mma = None
-    if width >= min(MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH) and tensor_cores(x, weight, initial_states):
+    if width >= min(MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH) and states_staged(x, initial_states):
         mma = "mma" if weight.dtype_name == x.dtype_name else "mma_split"
     key = (
         device, x.dtype_name, width, has_seq, mma, x.shape, x.strides, x.ptr % 16, out.strides,
@@ -274,13 +284,17 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     the blocks an SM is compiled for would not fit its shared memory, or the items would not
     fill the device twice over. The block's shared memory: the rows (D inputs before the span,
     then the span; channel-contiguous rows padded to 8 mod 16 elements against bank conflicts),
-    for channel-contiguous x the staging area of the next item's window, then each row's (time-
-    contiguous: each warp's) zero-padded taps (2 D + 32 floats), then for channel-contiguous x
-    each warp's output block (16 steps of MMA_CL_CHANNELS channels)."""
+    for channel-contiguous x the staging area of the next item's window (for a split window each
+    warp's high and low bfloat16 rows), then each row's (time-contiguous: each warp's) zero-
+    padded taps (2 D + 32 floats), then for channel-contiguous x each warp's output block (16
+    steps of MMA_CL_CHANNELS channels)."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
     d = 16 * (ks - 1)
     step = CONSTANTS["MMA_SPAN_STEP"]
+    itemsize = ITEMSIZE[x.dtype_name]
+    # float32 x, float16 x with split weights: the window split into two bfloat16 rows a warp
+    xsplit = itemsize == 4 or (split and x.dtype_name == "float16")
     if channel_last:
         warps = mma_cl_warps(ks, split)
         rows = channels = CONSTANTS["MMA_CL_CHANNELS"]  # rows and channels of an item
@@ -291,8 +305,9 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 
     def layout(span):
         row_len = d + span + ((8 - d - span) % 16 if channel_last else 0)
-        staging_at = -(-rows * row_len * 2 // 16) * 16
-        weights_at = staging_at + ((d + span) * channels * 2 if channel_last else 0)
+        staging_at = -(-rows * row_len * itemsize // 16) * 16
+        staged = (d + span) * channels * 2 if channel_last else warps * row_len * 4 * xsplit
+        weights_at = staging_at + staged
         out_at = weights_at + (channels if channel_last else warps) * (2 * d + 32) * 4
         return (
             row_len,
@@ -305,7 +320,8 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     def items(span):  # (channels, batch row, span)
         return -(-dim // channels) * batch * -(-seqlen // span)
 
-    span = min(CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_SPAN, -(-seqlen // step) * step)
+    longest = CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_XSPLIT_SPAN if xsplit else MMA_SPAN
+    span = min(longest, -(-seqlen // step) * step)
     while span > step and not blocks_fit(device, layout(span)[4], per_sm):
         span = span // 2 // step * step
     resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[4])

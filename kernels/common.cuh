@@ -174,6 +174,10 @@ template <bool B> struct Flag { static constexpr bool value = B; };
 template <typename A, typename B> constexpr bool same_type = false;
 template <typename A> constexpr bool same_type<A, A> = true;
 
+// Select<B, X, Y>::type: X if B, else Y.
+template <bool B, typename X, typename Y> struct Select { using type = X; };
+template <typename X, typename Y> struct Select<false, X, Y> { using type = Y; };
+
 // dst[i] = A(src[i]) for N values of T (N even for the half types): bfloat16 pairs are widened
 // with one shift or mask each, float16 pairs with one conversion.
 template <typename T, typename A, int N>

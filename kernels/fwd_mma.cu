@@ -1,17 +1,20 @@
-// fwd_mma.cu: the forward for 16-bit x and widths 9 to 256 on tensor cores, on both layouts.
+// fwd_mma.cu: the forward on tensor cores: 16-bit x from width 14 (time-contiguous) or 16
+// (channel-contiguous) to 256, time-contiguous float32 x from width 18 and float16 x with
+// weights of another dtype from width 14.
 //
 //   fwd_mma<T, KS, SPLIT, CLW>
-//       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and
-//       fwd_channel_wide serve those); SPLIT: weights of another dtype than x; CLW: 0 for
-//       time-contiguous x, else channel-contiguous x in blocks of CLW warps. A persistent grid:
-//       for time-contiguous x each of the MMA_WARPS warps of a block takes its own run of items
-//       (spans of p.span outputs of a row), staging each into one of its two rows of shared
-//       memory with cp.async while it computes the other; for channel-contiguous x a block of
-//       CLW warps (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs of p.run spans of
-//       MMA_CL_CHANNELS channels, warp w computing rows w, w + CLW, .., the next item copied
-//       into a staging area while the current one is computed. Either way a row's window
-//       (positions t0 - D ..) lies in shared memory time-contiguous, p.row_len elements a row,
-//       and a row's weights are installed once per run.
+//       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and fwd_channel_wide
+//       serve those); SPLIT: weights of another dtype than x (always with float32 x; with float32
+//       and float16 x time-contiguous only, the window split too: see below); CLW: 0 for
+//       time-contiguous x, else channel-contiguous x in blocks of CLW warps. A persistent grid: for
+//       time-contiguous x each of the MMA_WARPS warps of a block takes its own run of items (spans
+//       of p.span outputs of a row), staging each into one of its two rows of shared memory with
+//       cp.async while it computes the other; for channel-contiguous x a block of CLW warps
+//       (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs of p.run spans of MMA_CL_CHANNELS channels,
+//       warp w computing rows w, w + CLW, .., the next item copied into a staging area while the
+//       current one is computed. Either way a row's window (positions t0 - D ..) lies in shared
+//       memory time-contiguous, p.row_len elements a row, and a row's weights are installed once
+//       per run.
 //
 // For one channel, 16 consecutive outputs are a banded Toeplitz matrix of the weights times
 // the inputs before them:  out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m],  m < D + 16, with
@@ -24,21 +27,23 @@
 // block's results overwrite the block's first 128 window inputs, which no later block reads
 // (output t0 + o lands at window index o).
 //
-// Products of 16-bit values are exact and the MMA accumulates in float32; weights of another
-// dtype (SPLIT) are split into a high and a low 16-bit part (two MMAs), which keeps them to
-// 2^-17 relative. Every window slot is written (zeros outside the row), since a zero weight
-// times a stale NaN would not be zero; a non-finite input meets the band's zero weights all
-// the same, so outputs that come out non-finite are computed again from their own taps.
-// p.x_aligned / p.out_aligned: x / out take the layout's 16-byte vectors (time-contiguous rows
-// starting on 16-byte boundaries; or channel-contiguous steps whose starts are 16-byte
-// aligned).
+// Products of 16-bit values are exact and the MMA accumulates in float32; weights of another dtype
+// (SPLIT) are split into a high and a low 16-bit part (two MMAs), which keeps them to 2^-17
+// relative. A float32 window, or a float16 one with split weights (MmaIn), is split the same way
+// into two bfloat16 rows after it is staged (a third MMA, the high taps times the low inputs; the
+// low times low product, 2^-18 relative, is left out), and its outputs overwrite the staged row.
+// Every window slot is written (zeros outside the row), since a zero weight times a stale NaN would
+// not be zero; a non-finite input meets the band's zero weights all the same, so outputs that come
+// out non-finite are computed again from their own taps. p.x_aligned / p.out_aligned: x / out take
+// the layout's 16-byte vectors (time-contiguous rows starting on 16-byte boundaries; or
+// channel-contiguous steps whose starts are 16-byte aligned).
 #include "fwd_common.cuh"
 #include "mma_common.cuh"
 
 // Blocks per SM that fwd_mma's register budget (__launch_bounds__) is set for: the A fragments
-// take 4 KS registers (8 KS split) beside about 64 others.
-__host__ __device__ constexpr int mma_blocks_per_sm(int KS, bool split) {
-    const int regs = 4 * KS * (split ? 2 : 1) + 64;
+// take 4 KS registers (8 KS split) beside about 64 others (80 with the window split).
+__host__ __device__ constexpr int mma_blocks_per_sm(int KS, bool split, bool xsplit) {
+    const int regs = 4 * KS * (split ? 2 : 1) + (xsplit ? 80 : 64);
     return regs <= 80 ? 6 : regs <= 96 ? 5 : regs <= 128 ? 4 : regs <= 168 ? 3 : 2;
 }
 
@@ -86,9 +91,9 @@ struct Taps {
             if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
         if (lane == 0) wpad[BIAS] = bits_as<float>(bias, bias_code);
         __syncwarp();
-        build<T>(rw, wpad, width);
+        build<typename MmaIn<T, SPLIT>::type>(rw, wpad, width);
     }
-    // The A fragments and the bias of the taps in wpad.
+    // The A fragments (of 16-bit type T) and the bias of the taps in wpad.
     template <typename T, bool SPLIT>
     __device__ __forceinline__ static void build(RowWeights<KS, SPLIT>& rw, const float* wpad, int width) {
         const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -100,26 +105,34 @@ struct Taps {
             for (int r = 0; r < 4; ++r) {
                 const float* q = wl + fragment_offset(s, r);
                 const float v0 = q[0], v1 = q[1];
-                rw.hi[s][r] = pack2<T>(v0, v1);
+                rw.hi[s][r] = pack2<T>(v0, v1);  // (T: the MMA's operand type)
                 if constexpr (SPLIT) rw.lo[s][r] = pack2<T>(v0 - to_acc(from_acc<T>(v0)), v1 - to_acc(from_acc<T>(v1)));
             }
         }
     }
 };
 
-// The n_blocks 128-output blocks of one row whose window (positions t0 - D ..) is at `row`:
+// The n_blocks 128-output blocks of one row whose window (positions t0 - D ..) is at `row`
+// (float32 x: split into a high and a low bfloat16 row at `split`, `row_len` elements each):
 // each block's outputs overwrite its first 128 inputs. Returns whether this lane saw a sum
 // that is not finite.
 template <typename T, int KS, bool SPLIT, bool SILU>
-__device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeights<KS, SPLIT>& rw) {
+__device__ __forceinline__ bool compute_row(T* row, const void* split, int row_len, int n_blocks,
+                                            const RowWeights<KS, SPLIT>& rw) {
+    using M = typename MmaIn<T, SPLIT>::type;
+    constexpr bool XS = !same_type<T, M>;  // the window split
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    const uint2* in = reinterpret_cast<const uint2*>(row) + 4 * g + tg;
-    unsigned* res = reinterpret_cast<unsigned*>(row) + 16 * tg + g;  // pairs of T
+    const uint2* in = reinterpret_cast<const uint2*>(XS ? split : row) + 4 * g + tg;
+    const int lo_row = row_len / 4;  // (XS) the low row, in words of 4 inputs after the high
+    // pairs of outputs: 16-bit pairs as one word, float32 pairs as a float2
+    constexpr bool F32 = same_type<T, float>;
+    using Pair = typename Select<F32, float2, unsigned>::type;
+    Pair* res = reinterpret_cast<Pair*>(row) + 16 * tg + g;
     // CHAINS blocks at a time: their MMA chains are independent, so each hides the others'
     // latency (benchmarks/NOTES.md, "fwd_mma's chains").
     constexpr int CHAINS = KS <= 3 ? 4 : 2;
     static_assert(MMA_SPAN_STEP % (128 * CHAINS) == 0, "tiles hold whole groups of chains");
-    bool nonfinite = false;
+    float sums = 0.f;  // of every sum: not finite if one of them is not
     #pragma unroll 1
     for (int blk = 0; blk < n_blocks; blk += CHAINS, in += 32 * CHAINS, res += 64 * CHAINS) {
         float acc[CHAINS][4];
@@ -133,25 +146,34 @@ __device__ __forceinline__ bool compute_row(T* row, int n_blocks, const RowWeigh
             #pragma unroll
             for (int j = 0; j < CHAINS; ++j) {
                 const uint2 bw = in[32 * j + 4 * ks];  // inputs 4 tg .. 4 tg + 3 of segment g + ks
-                MmaOp<T>::run(acc[j], rw.hi[ks], bw.x, bw.y);
-                if constexpr (SPLIT) MmaOp<T>::run(acc[j], rw.lo[ks], bw.x, bw.y);
+                MmaOp<M>::run(acc[j], rw.hi[ks], bw.x, bw.y);
+                if constexpr (SPLIT) MmaOp<M>::run(acc[j], rw.lo[ks], bw.x, bw.y);
+                if constexpr (XS) {
+                    const uint2 lw = in[lo_row + 32 * j + 4 * ks];
+                    MmaOp<M>::run(acc[j], rw.hi[ks], lw.x, lw.y);
+                }
             }
         }
         // c0: (row g, column 2 tg), c1: (g, 2 tg + 1), c2: (g + 8, 2 tg), c3: (g + 8, 2 tg + 1):
         // outputs 32 tg + 2 g (c0, c2) and 32 tg + 16 + 2 g (c1, c3) of the block.
         #pragma unroll
         for (int j = 0; j < CHAINS; ++j) {
-            // (a sum is not finite if one of its terms is not: one test for four outputs)
-            nonfinite |= !isfinite((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
+            // (a sum is not finite if one of its terms is not: one test a row, after it)
+            sums += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);
             if constexpr (SILU) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[j][r] = silu(acc[j][r]);
             }
-            res[64 * j] = pack2<T>(acc[j][0], acc[j][2]);
-            res[64 * j + 8] = pack2<T>(acc[j][1], acc[j][3]);
+            if constexpr (F32) {
+                res[64 * j] = make_float2(acc[j][0], acc[j][2]);
+                res[64 * j + 8] = make_float2(acc[j][1], acc[j][3]);
+            } else {
+                res[64 * j] = pack2<T>(acc[j][0], acc[j][2]);
+                res[64 * j + 8] = pack2<T>(acc[j][1], acc[j][3]);
+            }
         }
     }
-    return nonfinite;
+    return !isfinite(sums);
 }
 
 // Recomputes, from its width taps alone (wpad; inputs from x), each of a row's first n_out
@@ -173,12 +195,13 @@ __device__ __noinline__ void own_taps(T* outputs, int n_out, const float* wpad, 
 // A row's outputs: its window at `row` after compute_row (the activation chosen at run time),
 // the non-finite ones computed again.
 template <typename T, int KS, bool SPLIT, typename P>
-__device__ __forceinline__ void row_outputs(T* row, int n_out, const RowWeights<KS, SPLIT>& rw, const float* wpad,
+__device__ __forceinline__ void row_outputs(T* row, const void* split, int row_len, int n_out,
+                                            const RowWeights<KS, SPLIT>& rw, const float* wpad,
                                             const T* x, const void* initial_states, const P& p, int64 b, int64 c,
                                             int64 t0) {
     const int n_blocks = (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * (MMA_SPAN_STEP / 128);
-    const bool nonfinite = p.silu_act ? compute_row<T, KS, SPLIT, true>(row, n_blocks, rw)
-                                      : compute_row<T, KS, SPLIT, false>(row, n_blocks, rw);
+    const bool nonfinite = p.silu_act ? compute_row<T, KS, SPLIT, true>(row, split, row_len, n_blocks, rw)
+                                      : compute_row<T, KS, SPLIT, false>(row, split, row_len, n_blocks, rw);
     if (__any_sync(0xffffffffu, nonfinite)) {
         __syncwarp();
         own_taps<T, KS>(row, n_out, wpad, rw.bias, x, initial_states, p, b, c, t0);
@@ -201,21 +224,50 @@ __device__ __forceinline__ int window_inputs(int D, int n_out) {
     return D + (n_out + MMA_SPAN_STEP - 1) / MMA_SPAN_STEP * MMA_SPAN_STEP;
 }
 
+// A window of n_in float32 or float16 inputs (a multiple of 4) as two bfloat16 rows at split,
+// row_len elements apart: hi = bfloat16(x), lo = bfloat16(x - hi).
+template <typename T>
+__device__ __forceinline__ void split_window(const T* row, void* split, int row_len, int n_in) {
+    uint2* const hi = reinterpret_cast<uint2*>(split);
+    uint2* const lo = hi + row_len / 4;
+    auto part = [](float a, float b, unsigned& h) {  // the high word of a, b; returns the low
+        h = pack2<__nv_bfloat16>(a, b);
+        return pack2<__nv_bfloat16>(a - __uint_as_float(h << 16), b - __uint_as_float(h & 0xffff0000u));
+    };
+    for (int v = threadIdx.x & 31; v < n_in / 4; v += 32) {
+        float f[4];
+        if constexpr (same_type<T, float>) {
+            const float4 q = reinterpret_cast<const float4*>(row)[v];
+            f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
+        } else {
+            widen<T, float, 4>(row + 4 * v, f);
+        }
+        uint2 h, l;
+        l.x = part(f[0], f[1], h.x);
+        l.y = part(f[2], f[3], h.y);
+        hi[v] = h;
+        lo[v] = l;
+    }
+}
+
 // Warps a block and blocks an SM that fwd_mma is compiled for: time-contiguous x takes blocks
 // of MMA_WARPS independent warps, channel-contiguous x blocks of CLW warps that share their
 // tiles, MMA_CL_SM_WARPS warps an SM.
-template <int KS, bool SPLIT, int CLW>
+template <typename T, int KS, bool SPLIT, int CLW>
 struct MmaLaunch {
     static constexpr int warps = CLW ? CLW : MMA_WARPS;
-    static constexpr int blocks = CLW ? MMA_CL_SM_WARPS / CLW : mma_blocks_per_sm(KS, SPLIT);
+    static constexpr int blocks =
+        CLW ? MMA_CL_SM_WARPS / CLW : mma_blocks_per_sm(KS, SPLIT, !same_type<T, typename MmaIn<T, SPLIT>::type>);
 };
 
 template <typename T, int KS, bool SPLIT, int CLW>
-__global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CLW>::warps, MmaLaunch<KS, SPLIT, CLW>::blocks)
+__global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaLaunch<T, KS, SPLIT, CLW>::blocks)
     fwd_mma(FWD_ARRAYS, const __grid_constant__ FwdMmaParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     constexpr int D = Taps<KS>::D;  // inputs before a row's first output
-    constexpr int VN = 8;           // elements per 16-byte vector
+    constexpr int VN = 16 / sizeof(T);  // elements per 16-byte vector
+    constexpr bool XS = !same_type<T, typename MmaIn<T, SPLIT>::type>;  // the window split
+    static_assert(!XS || (SPLIT && CLW == 0), "a split window: time-contiguous x, split weights");
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, row_len = p.row_len;
     const int width = (int)p.width;
     // The taps' dtypes as bits_as reads them (float64 taps are fetched as float32).
@@ -273,6 +325,8 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CLW>::warps, MmaLaun
             return it;
         };
         T* const bufs = rows + 2 * warp * row_len;
+        // float32 x: the warp's high and low bfloat16 rows of the window being computed
+        void* const split = smem_raw + p.staging_at + warp * row_len * 4;
         // Stages item `it` into bufs + st row_len (always commits one cp.async group).
         auto stage = [&](const Item& it, bool valid, int st) {
             if (valid) {
@@ -317,7 +371,12 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CLW>::warps, MmaLaun
             cp_async_wait<1>();
             __syncwarp();
             T* const row = bufs + st * row_len;
-            row_outputs<T, KS, SPLIT>(row, it.n_out, rw, wpad, x, initial_states, p, it.b, it.c, it.t0);
+            if constexpr (XS) {
+                split_window(row, split, (int)row_len, window_inputs(D, it.n_out));
+                __syncwarp();
+            }
+            row_outputs<T, KS, SPLIT>(row, split, (int)row_len, it.n_out, rw, wpad, x, initial_states, p, it.b, it.c,
+                                      it.t0);
             T* const orow = out + it.b * p.out_batch_stride + it.c * p.out_c_stride + it.t0 * p.out_l_stride;
             const int full = out_aligned ? it.n_out / VN : 0;
             #pragma unroll 4
@@ -464,7 +523,8 @@ __global__ void __launch_bounds__(32 * MmaLaunch<KS, SPLIT, CLW>::warps, MmaLaun
                 } else if constexpr (OWN > 1) {
                     Taps<KS>::template build<T, SPLIT>(rw, wr, width);
                 }
-                row_outputs<T, KS, SPLIT>(rows + r * row_len, it.n_out, rw, wr, x, initial_states, p, it.b, c, it.t0);
+                row_outputs<T, KS, SPLIT>(rows + r * row_len, nullptr, 0, it.n_out, rw, wr, x, initial_states, p, it.b,
+                                          c, it.t0);
             }
             __syncthreads();  // the item's outputs are in the rows
             // This warp's positions of the outputs, transposed back through its output block,

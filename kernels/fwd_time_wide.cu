@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(32 * TIME_WIDE_WARPS)
     };
 
     const int64 spans = (seqlen + SPAN - 1) / SPAN;
-    for (int64 row = grid_warp(); row < batch * dim; row += grid_warps()) {
+    for (int64 row = grid_warp(); row < batch * dim; row += main_warps(p)) {
         int64 b, c;
         divmod(row, dim, b, c);
         __syncwarp();  // the previous row's readers of the taps are done

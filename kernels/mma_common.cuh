@@ -21,6 +21,14 @@ template <> struct MmaOp<__half> {
     }
 };
 
+// The 16-bit operand type of the MMAs for x of type T and weights of another dtype (SPLIT, split
+// into a high and a low part): T itself, or bfloat16 where x is split into two bfloat16 parts
+// too: float32 x, and float16 x with other weights (a float16 value is exactly the sum of its
+// two bfloat16 parts; the weights' low part would not fit float16's exponent range).
+template <typename T, bool SPLIT> struct MmaIn { using type = T; };
+template <bool SPLIT> struct MmaIn<float, SPLIT> { using type = __nv_bfloat16; };
+template <> struct MmaIn<__half, true> { using type = __nv_bfloat16; };
+
 // Two values as one 32-bit word of T (the first in the low half).
 template <typename T>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {

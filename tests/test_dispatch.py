@@ -84,7 +84,7 @@ def CL():  # noqa: N802 - names a layout
     [
         pytest.param(CF, 4, "fwd_time<float, 4, false, 8, 1>", id="cf-width4"),
         pytest.param(CF, 17, "fwd_time<float, 17, false, 8, 1>", id="cf-width17"),
-        pytest.param(CF, 18, "fwd_time_wide<float, false>", id="cf-width18"),
+        pytest.param(CF, 18, "fwd_mma<float, 3, true, 0>", id="cf-width18"),
         pytest.param(CL, 8, "fwd_channel<float, 8, false, 16, 16>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_channel<float, 9, false, 32, 8>", id="cl-width9"),
         pytest.param(CL, 16, "fwd_channel<float, 16, false, 32, 8>", id="cl-width16"),
@@ -274,8 +274,9 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
     "xdtype,wdtype,init,width,cf_name,cl_name",
     [
         (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma<{H}, 5, false, 8>"),
-        # float16 x: tensor cores only with float16 weights and states
-        (F16, F32, None, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
+        # float16 x: with other weights time-contiguous only (split into bfloat16 parts);
+        # states of x's dtype
+        (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma<{H}, 3, false, 8>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 15
@@ -286,14 +287,18 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", WIDE_CHANNEL.format(9)),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
-        (F32, F32, None, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
+        # float32 x: time-contiguous on tensor cores (x and taps split), channel-contiguous not
+        (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_channel_wide<float>"),
+        (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
+        (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float>"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name, cl_name, layout):
-    """16-bit x takes fwd_mma where it is exact (float16 x with float16 weights, states of x's
-    dtype): time-contiguous x from MMA_MIN_WIDTH on, channel-contiguous x from
-    MMA_CL_MIN_WIDTH on, with the tile layout the plan describes."""
+    """x takes fwd_mma where it is exact (states of x's dtype; float16 x with other weights and
+    float32 x time-contiguous only, the window split): 16-bit time-contiguous x from
+    MMA_MIN_WIDTH on, channel-contiguous x from MMA_CL_MIN_WIDTH on, float32 x from
+    MMA_F32_MIN_WIDTH on, with the tile layout the plan describes."""
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
     name = cf_name
     if layout == "cl":
@@ -311,6 +316,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         )
         assert launched.endswith(f", {warps if cl else 0}>")
         assert plan.block == (32 * warps, 1)
+        itemsize = np.dtype(xdtype).itemsize
         rows = _forward_plan.CONSTANTS["MMA_CL_CHANNELS"] if cl else 2 * warps
         d = 16 * (ks - 1)
         assert d >= width - 1 and fields["span"] % _forward_plan.CONSTANTS["MMA_SPAN_STEP"] == 0
@@ -319,8 +325,12 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
             assert fields["row_len"] % 16 == 8
         else:
             assert fields["row_len"] == d + fields["span"]
-        staging = (d + fields["span"]) * rows * 2 if cl else 0
-        assert fields["staging_at"] >= rows * fields["row_len"] * 2
+        # the staging area; a split window (float32 x, float16 x with other weights): each
+        # warp's high and low bfloat16 rows
+        staging = (d + fields["span"]) * rows * 2 if cl else warps * fields["row_len"] * 4
+        if itemsize == 2 and not cl and xdtype == wdtype:
+            staging = 0
+        assert fields["staging_at"] >= rows * fields["row_len"] * itemsize
         assert fields["weights_at"] == fields["staging_at"] + staging
         assert fields["out_at"] == fields["weights_at"] + (rows if cl else warps) * (2 * d + 32) * 4
         assert plan.smem == fields["out_at"] + (warps * 512 if cl else 0)
@@ -390,7 +400,7 @@ LAYOUTS = {
 @pytest.mark.parametrize(
     "limit,dtype,seq,width,warps",
     [
-        (SM90_SMEM, np.float32, False, 18, 4), (SM90_SMEM, np.float32, True, 256, 4),
+        (SM90_SMEM, np.float64, False, 18, 4), (SM90_SMEM, np.float32, True, 256, 4),
         (SM90_SMEM, np.float64, True, 256, 4),
         (SM86_SMEM, np.float64, True, 256, 2),  # four warps' parts do not fit
     ],

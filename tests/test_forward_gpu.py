@@ -335,13 +335,35 @@ def test_channel_last_wide_lane_vectors(dtype, layout, dim):
 
 
 @pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        ("float32", "float32"), ("float32", "bfloat16"), ("float32", "float64"),
+        ("float16", "float32"), ("float16", "bfloat16"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+def test_split_window_on_tensor_cores(dtype, wdtype, layout):
+    """Time-contiguous float32 x from width 18, and float16 x with other weights from width
+    14, in fwd_mma with the window and the taps split into bfloat16 parts: every KS, rows
+    shorter and longer than a span, states before the row, final states, with and without
+    bias and activation, within x's dtype's tolerance."""
+    for i, width in enumerate((18, 31, 33, 64, 100, 129, 256)):
+        run_case(
+            2, 24, (300, 2500)[i % 2], width, dtype, wdtype, layout=layout, bias=i % 3 != 1,
+            silu=i % 2 == 0, init=i % 3 != 2, final=i % 2 == 1, seed=i,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "layout,dtype,wdtype,width,segments,kernel",
     [
         ("cl", "float32", "float32", 17, 0, "fwd_channel_wide"),  # two buffers
         ("cl", "float64", "float64", 100, 0, "fwd_channel_wide"),
         ("cl", "float16", "float32", 64, 0, "fwd_channel_wide"),  # x through registers
         ("cl", "float32", "bfloat16", 200, 0, "fwd_channel_wide"),  # one buffer, taps converted
-        ("cf", "float32", "float32", 33, 0, "fwd_time_wide"),
+        ("cf", "float32", "float32", 33, 2, "fwd_time_wide"),  # seq_idx
+        ("cf", "float32", "float32", 33, 0, "fwd_mma"),  # the window split
+        ("cf", "float16", "float32", 64, 0, "fwd_mma"),
         ("cf", "bfloat16", "bfloat16", 20, 3, "fwd_time_wide"),  # seq_idx
         ("cf", "float64", "float64", 256, 0, "fwd_time_wide"),
     ],
@@ -349,13 +371,15 @@ def test_channel_last_wide_lane_vectors(dtype, layout, dim):
 def test_wide_kernels_in_a_grid_of_one_block(
     monkeypatch, layout, dtype, wdtype, width, segments, kernel
 ):
-    """fwd_channel_wide and fwd_time_wide with a grid of one block: its warps take every tile
-    (row) in turn, so the copies of the next tile (span) into the other buffer, the taps staged
-    again for each tile (row), a last strip of 8 channels and last tiles cut by the row's end
-    all run many times in one launch."""
+    """The wide kernels (fwd_channel_wide, fwd_time_wide, fwd_mma on a split window) with a
+    grid of one main block: its warps take every tile (row) in turn, so the copies of the next
+    tile (span) into the other buffer, the taps staged again for each tile (row), a last strip
+    of 8 channels and last tiles cut by the row's end all run many times in one launch; the
+    blocks after it write the final states (the main warps step by the main blocks alone)."""
     from cupyconv import _fast, _forward_plan
 
-    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 1)
+    resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: min(1, resident(*args)))
     monkeypatch.setattr(_forward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     run_case(

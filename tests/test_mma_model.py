@@ -252,3 +252,50 @@ def test_backward_channel_last_moves(channels, rows):
             assert (2 * j, h) not in out and (2 * j + 1, h) not in out
             out[(2 * j, h)], out[(2 * j + 1, h)] = lo, hi
     assert out == run
+
+
+# ---- fwd_mma on float32 x: the window and the taps split into bfloat16 parts -------------------
+
+
+def test_float32_split_into_bfloat16_parts_keeps_float32_accuracy():
+    """fwd_mma's products for float32 x: x and the taps each as a high and a low bfloat16 part
+    (hi = bf16(v), lo = bf16(v - hi)), summed as hi hi + lo(taps) hi(x) + hi(taps) lo(x). Each
+    term is within about 2^-16 of its own value: the error of a sum within 2^-14 of the sum of
+    its terms' magnitudes at any scale, and for the tests' data far inside the float32
+    tolerance of the contract (rtol 3e-4, atol 1e-3); the high parts alone would not be."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    def conv(x, w, K):  # direct(), by numpy
+        return np.convolve(x, w[::-1])[: len(x)]
+
+    def parts(v):
+        hi = v.astype(ml_dtypes.bfloat16).astype(np.float64)
+        lo = (v - hi).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        return hi, lo
+
+    for width, spread in ((18, 0), (64, 0), (256, 0), (64, 8), (256, 8)):
+        x = rng.standard_normal(3000) * np.exp(rng.uniform(-spread, spread, 3000))
+        x = x.astype(np.float32).astype(np.float64)
+        w = (rng.standard_normal(width) / width**0.5).astype(np.float32).astype(np.float64)
+        want = conv(x, w, width)
+        (xh, xl), (wh, wl) = parts(x), parts(w)
+        got = conv(xh, wh, width) + conv(xh, wl, width) + conv(xl, wh, width)
+        scale = conv(np.abs(x), np.abs(w), width)
+        assert np.max(np.abs(got - want) / scale) < 2**-14
+        if not spread:
+            np.testing.assert_allclose(got, want, rtol=3e-4, atol=1e-4)  # a tenth of its atol
+        coarse = conv(xh, wh, width)
+        assert np.max(np.abs(coarse - want) / scale) > 2**-10  # one product is not enough
+
+
+def test_float16_is_two_bfloat16_parts_exactly():
+    """fwd_mma's split window for float16 x with other weights: every finite float16 value is
+    exactly the sum of hi = bf16(x) and lo = bf16(x - hi) (x - hi computed in float32), so the
+    products of x stay exact."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    x = every[np.isfinite(every)].astype(np.float32)
+    hi = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    lo = (x - hi).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(hi + lo, x)
+    assert np.count_nonzero(lo) > len(x) // 2  # the low part carries bits for most values
