@@ -54,9 +54,10 @@ TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_t
 # up to 13) and channel-contiguous x (fwd_channel is faster up to 15); benchmarks/NOTES.md,
 # "fwd_mma on both layouts" and "fwd_channel at widths 9 to 16".
 MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 16
-# fwd_mma for float32 x (time-contiguous, the window and the taps split into bfloat16 parts)
-# from this width on: fwd_time serves the narrower ones at the copy's speed.
-MMA_F32_MIN_WIDTH = TIME_MAX_WIDTH + 1
+# fwd_mma on a split window (time-contiguous float32 x, float16 x with other weights: x and the
+# taps split into bfloat16 parts) from this width on: fwd_time serves the narrower ones, faster
+# (benchmarks/NOTES.md, "fwd_mma on float32 x, and float16 x with other weights").
+MMA_XSPLIT_MIN_WIDTH = TIME_MAX_WIDTH + 1
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
 MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an input with it)
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
@@ -137,8 +138,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     "final_states" the final states. Where the states allow them (``states_staged``), "mma"
     replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
-    x with them time-contiguous only); time-contiguous float32 x takes fwd_mma from
-    MMA_F32_MIN_WIDTH on, split into bfloat16 parts."""
+    x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on); time-contiguous float32 x
+    takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16 parts."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)
@@ -151,7 +152,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             table[kind] = (TIME, f"fwd_time<{t}, {width}, {s}, {vectors}, {warps}>")
         else:
             table[kind] = (TIME_WIDE, f"fwd_time_wide<{t}, {s}>")
-    if dtype == "float32" and not seq and width >= MMA_F32_MIN_WIDTH:
+    if dtype == "float32" and not seq and width >= MMA_XSPLIT_MIN_WIDTH:
         name = f"fwd_mma<{t}, {mma_steps(width)}, true, 0>"  # any weights: split
         table["mma"] = table["mma_split"] = (MMA, name)
     if dtype in ("bfloat16", "float16") and not seq:
@@ -160,7 +161,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
             if width < (MMA_CL_MIN_WIDTH if cl else MMA_MIN_WIDTH):
                 continue
             for split in (False, True):
-                if split and cl and dtype == "float16":
+                if split and dtype == "float16" and (cl or width < MMA_XSPLIT_MIN_WIDTH):
                     continue  # (float16 x with other weights: the CUDA-core kernels)
                 warps = mma_cl_warps(ks, split) if cl else 0
                 name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"

@@ -291,14 +291,15 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_channel_wide<float>"),
         (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
         (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float>"),
+        (F16, F32, None, 17, f"fwd_time<{H}, 17, false, 2, 4>", f"fwd_channel_wide<{H}>"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name, cl_name, layout):
     """x takes fwd_mma where it is exact (states of x's dtype; float16 x with other weights and
     float32 x time-contiguous only, the window split): 16-bit time-contiguous x from
-    MMA_MIN_WIDTH on, channel-contiguous x from MMA_CL_MIN_WIDTH on, float32 x from
-    MMA_F32_MIN_WIDTH on, with the tile layout the plan describes."""
+    MMA_MIN_WIDTH on, channel-contiguous x from MMA_CL_MIN_WIDTH on, a split window from
+    MMA_XSPLIT_MIN_WIDTH on, with the tile layout the plan describes."""
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
     name = cf_name
     if layout == "cl":

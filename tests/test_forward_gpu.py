@@ -343,8 +343,8 @@ def test_channel_last_wide_lane_vectors(dtype, layout, dim):
 )  # fmt: skip
 @pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
 def test_split_window_on_tensor_cores(dtype, wdtype, layout):
-    """Time-contiguous float32 x from width 18, and float16 x with other weights from width
-    14, in fwd_mma with the window and the taps split into bfloat16 parts: every KS, rows
+    """Time-contiguous float32 x, and float16 x with other weights, from width 18 in fwd_mma
+    with the window and the taps split into bfloat16 parts: every KS, rows
     shorter and longer than a span, states before the row, final states, with and without
     bias and activation, within x's dtype's tolerance."""
     for i, width in enumerate((18, 31, 33, 64, 100, 129, 256)):
