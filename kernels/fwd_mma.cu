@@ -1,6 +1,6 @@
 // fwd_mma.cu: the forward on tensor cores: 16-bit x from width 14 (time-contiguous) or 16
-// (channel-contiguous) to 256, time-contiguous float32 x from width 18 and float16 x with
-// weights of another dtype from width 14.
+// (channel-contiguous) to 256; time-contiguous float32 x, and float16 x with weights of another
+// dtype, from width 18.
 //
 //   fwd_mma<T, KS, SPLIT, CLW>
 //       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and fwd_channel_wide
@@ -113,14 +113,14 @@ struct Taps {
 };
 
 // The n_blocks 128-output blocks of one row whose window (positions t0 - D ..) is at `row`
-// (float32 x: split into a high and a low bfloat16 row at `split`, `row_len` elements each):
+// (a split window: a high and a low bfloat16 row at `split`, `row_len` elements each):
 // each block's outputs overwrite its first 128 inputs. Returns whether this lane saw a sum
 // that is not finite.
 template <typename T, int KS, bool SPLIT, bool SILU>
 __device__ __forceinline__ bool compute_row(T* row, const void* split, int row_len, int n_blocks,
                                             const RowWeights<KS, SPLIT>& rw) {
     using M = typename MmaIn<T, SPLIT>::type;
-    constexpr bool XS = !same_type<T, M>;  // the window split
+    constexpr bool XS = split_window_of<T, SPLIT>;
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const uint2* in = reinterpret_cast<const uint2*>(XS ? split : row) + 4 * g + tg;
     const int lo_row = row_len / 4;  // (XS) the low row, in words of 4 inputs after the high
@@ -256,8 +256,7 @@ __device__ __forceinline__ void split_window(const T* row, void* split, int row_
 template <typename T, int KS, bool SPLIT, int CLW>
 struct MmaLaunch {
     static constexpr int warps = CLW ? CLW : MMA_WARPS;
-    static constexpr int blocks =
-        CLW ? MMA_CL_SM_WARPS / CLW : mma_blocks_per_sm(KS, SPLIT, !same_type<T, typename MmaIn<T, SPLIT>::type>);
+    static constexpr int blocks = CLW ? MMA_CL_SM_WARPS / CLW : mma_blocks_per_sm(KS, SPLIT, split_window_of<T, SPLIT>);
 };
 
 template <typename T, int KS, bool SPLIT, int CLW>
@@ -266,7 +265,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     constexpr int D = Taps<KS>::D;  // inputs before a row's first output
     constexpr int VN = 16 / sizeof(T);  // elements per 16-byte vector
-    constexpr bool XS = !same_type<T, typename MmaIn<T, SPLIT>::type>;  // the window split
+    constexpr bool XS = split_window_of<T, SPLIT>;
     static_assert(!XS || (SPLIT && CLW == 0), "a split window: time-contiguous x, split weights");
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, row_len = p.row_len;
     const int width = (int)p.width;
@@ -325,7 +324,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
             return it;
         };
         T* const bufs = rows + 2 * warp * row_len;
-        // float32 x: the warp's high and low bfloat16 rows of the window being computed
+        // a split window: the warp's high and low bfloat16 rows of the window being computed
         void* const split = smem_raw + p.staging_at + warp * row_len * 4;
         // Stages item `it` into bufs + st row_len (always commits one cp.async group).
         auto stage = [&](const Item& it, bool valid, int st) {

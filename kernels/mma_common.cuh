@@ -28,6 +28,9 @@ template <> struct MmaOp<__half> {
 template <typename T, bool SPLIT> struct MmaIn { using type = T; };
 template <bool SPLIT> struct MmaIn<float, SPLIT> { using type = __nv_bfloat16; };
 template <> struct MmaIn<__half, true> { using type = __nv_bfloat16; };
+// Whether x's window is split into two bfloat16 parts (MmaIn is not x's own type).
+template <typename T, bool SPLIT>
+constexpr bool split_window_of = !same_type<T, typename MmaIn<T, SPLIT>::type>;
 
 // Two values as one 32-bit word of T (the first in the low half).
 template <typename T>
