@@ -60,6 +60,11 @@ MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 16
 MMA_XSPLIT_MIN_WIDTH = TIME_MAX_WIDTH + 1
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
 MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an input with it)
+# fwd_mma on time-contiguous x: the grid sweeps the items (a warp's next item n_warps on, the
+# taps installed every item) where items span at least MMA_SWEEP_SPAN outputs and a row's A
+# fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
+# takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
+MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -106,7 +111,7 @@ TIME = Kernel(
 )
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
-    (*_ALIGNED, "span", "run", "row_len", "staging_at", "weights_at", "out_at"),
+    (*_ALIGNED, "span", "run", "sweep", "row_len", "staging_at", "weights_at", "out_at"),
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
@@ -340,11 +345,13 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     )
     grid = min(units, resident, MAX_GRID)
     along = 1 if channel_last else 2
+    fragments = ks * (2 if split or itemsize == 4 else 1)  # (float32 x: its taps always split)
+    sweep = not channel_last and span >= MMA_SWEEP_SPAN and fragments <= MMA_SWEEP_FRAGMENTS
     return MMA.launch(
         name, grid, (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
-        span=span, run=run, row_len=row_len, staging_at=staging_at, weights_at=weights_at,
-        out_at=out_at,
+        span=span, run=run, sweep=sweep, row_len=row_len, staging_at=staging_at,
+        weights_at=weights_at, out_at=out_at,
     )  # fmt: skip
 
 

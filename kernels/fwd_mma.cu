@@ -293,11 +293,18 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
     };
 
     if constexpr (CLW == 0) {
-        // Time-contiguous x: warp w of the grid takes a run of items channel-major (c, b, sp),
-        // so a channel's taps are installed once for its run; each item is staged into one of
-        // the warp's two rows while it computes the other.
-        const int64 n_items = dim * batch * spans, n_warps = main_warps(p), per = (n_items + n_warps - 1) / n_warps;
-        const int64 first = grid_warp() * per, end = min(first + per, n_items);
+        // Time-contiguous x: items in channel-major order (c, b, sp). Warp w of the grid takes
+        // either a run of consecutive items, so that a channel's taps are installed once for
+        // its run, or (p.sweep) the items w, w + n_warps, ...: then the warps at work read
+        // neighbouring rows, at the cost of the taps installed for every item. Each item is
+        // staged into one of the warp's two rows while it computes the other.
+        const int64 n_items = dim * batch * spans, n_warps = main_warps(p);
+        const int64 per = p.sweep ? 0 : (n_items + n_warps - 1) / n_warps;  // items a run
+        const int64 first = p.sweep ? grid_warp() : grid_warp() * per;
+        const int64 end = p.sweep ? n_items : min(first + per, n_items), istep = p.sweep ? n_warps : 1;
+        // istep in the digits of (c, b, sp)
+        const int64 step_sp = istep % spans, step_cb = istep / spans, step_b = step_cb % batch,
+                    step_c = step_cb / batch;
         auto item_at = [&](int64 i) {  // with its channel's taps to install
             int64 cb, sp;
             divmod(i, spans, cb, sp);
@@ -309,18 +316,18 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
             it.new_channel = true;
             return it;
         };
-        // The item after `it` in (c, b, sp) order.
+        // The item istep after `it` (past the last item where there is none).
         auto next_of = [&](Item it) {
-            it.t0 += span;
-            if (it.t0 >= seqlen) {
-                it.t0 = 0;
-                if (++it.b == batch) {
-                    it.b = 0;
-                    ++it.c;
-                }
-            }
+            it.t0 += step_sp * span;
+            const bool carry = it.t0 >= seqlen;  // (sp >= spans)
+            if (carry) it.t0 -= spans * span;
+            it.b += step_b + carry;
+            const bool carry_b = it.b >= batch;
+            if (carry_b) it.b -= batch;
+            const int64 c = it.c + step_c + carry_b;
+            it.new_channel = c != it.c;
+            it.c = c;
             it.n_out = (int)min(span, seqlen - it.t0);
-            it.new_channel = it.b == 0 && it.t0 == 0;
             return it;
         };
         T* const bufs = rows + 2 * warp * row_len;
@@ -363,10 +370,10 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
         Item it = item_at(first);
         stage(it, first < end, 0);
         #pragma unroll 1
-        for (int64 i = first, st = 0; i < end; ++i, st ^= 1) {
+        for (int64 i = first, st = 0; i < end; i += istep, st ^= 1) {
             if (it.new_channel) taps.template install<T, SPLIT>(rw, wpad, width, weight_code, bias_code);
             const Item next = next_of(it);
-            stage(next, i + 1 < end, (int)st ^ 1);  // also fetches the next channel's taps
+            stage(next, i + istep < end, (int)st ^ 1);  // also fetches a new channel's taps
             cp_async_wait<1>();
             __syncwarp();
             T* const row = bufs + st * row_len;

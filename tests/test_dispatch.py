@@ -340,6 +340,42 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
             assert per_sm * (plan.smem + 1024) <= SM90_SMEM + 1024
 
 
+@pytest.mark.parametrize(
+    "shape,xdtype,wdtype,width,layout,sweep",
+    [
+        ((8, 5120, 2048), "bfloat16", "bfloat16", 16, "cf", True),
+        ((8, 5120, 2048), "bfloat16", "bfloat16", 64, "cf", True),  # KS 5
+        ((8, 5120, 2048), "bfloat16", "bfloat16", 100, "cf", False),  # KS 7
+        ((8, 5120, 2048), "bfloat16", "float32", 31, "cf", True),  # split taps, KS 2
+        ((8, 5120, 2048), "bfloat16", "float32", 64, "cf", False),  # split taps, KS 5
+        ((8, 5120, 2048), "float32", "float32", 33, "cf", True),  # split window, KS 3
+        ((8, 5120, 2048), "float32", "float32", 64, "cf", False),
+        ((1, 4096, 16384), "bfloat16", "bfloat16", 31, "cf", True),
+        ((64, 1024, 512), "bfloat16", "bfloat16", 16, "cf", False),  # spans of 512
+        ((8, 5120, 2048), "bfloat16", "bfloat16", 16, "cl", False),
+    ],
+)  # fmt: skip
+def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layout, sweep):
+    """Time-contiguous fwd_mma sweeps its items over the grid where spans are at least
+    MMA_SWEEP_SPAN long and a row's A fragments at most MMA_SWEEP_FRAGMENTS; elsewhere (and
+    on channel-contiguous x) each warp (block) takes a run of consecutive items."""
+    import ml_dtypes
+
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 6)
+    fake_device(monkeypatch, SM90_SMEM)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    xd, wd = (np.dtype(ml_dtypes.bfloat16 if d == "bfloat16" else d) for d in (xdtype, wdtype))
+    b, c, length = shape
+    strides = (c * length, 1, c) if layout == "cl" else (c * length, length, 1)
+    x = _arrays.Array(None, "fake", 0, 1 << 32, shape, strides, xd)
+    w = _arrays.Array(None, "fake", 0, 2 << 32, (c, width), (width, 1), wd)
+    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    assert plan.name.startswith("fwd_mma<")
+    fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields, strict=True))
+    assert fields["sweep"] == sweep
+    assert fields["span"] >= _forward_plan.MMA_SWEEP_SPAN or not sweep
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 @pytest.mark.parametrize(
     "wdtype,width,name,cl_warps",

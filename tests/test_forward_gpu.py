@@ -282,6 +282,34 @@ def test_tensor_core_runs_of_spans(layout):
     run_case(8, 320, 7000, 17, "bfloat16", layout=layout, init=True, final=True, seed=5)
 
 
+@pytest.mark.parametrize("sweep", (True, False))
+@pytest.mark.parametrize("blocks", (1, 3))
+@pytest.mark.parametrize(
+    "dtype,wdtype,width",
+    [
+        ("bfloat16", "bfloat16", 16), ("bfloat16", "float32", 31), ("float32", "float32", 33),
+        ("float16", "float16", 64),
+    ],
+)  # fmt: skip
+def test_tensor_core_item_orders(monkeypatch, sweep, blocks, dtype, wdtype, width):
+    """Time-contiguous fwd_mma with its items swept over the grid (a warp's next item
+    n_warps on: every carry of its (channel, batch row, span) step) and in runs, on grids of
+    one and three main blocks: rows of two spans, states before each row, final states."""
+    from cupyconv import _fast, _forward_plan
+
+    resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *a: min(blocks, resident(*a)))
+    monkeypatch.setattr(_forward_plan, "MMA_SWEEP_SPAN", 0 if sweep else 1 << 40)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    run_case(3, 37, 2600, width, dtype, wdtype, init=True, final=True, seed=width)
+    plans = [p for p in _forward_plan._plans.values() if p.name.startswith("fwd_mma<")]
+    for plan in plans:
+        fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields, strict=True))
+        assert fields["sweep"] == sweep and -(-2600 // fields["span"]) >= 2
+    assert plans
+
+
 @pytest.mark.parametrize(
     "dtype,wdtype",
     [
