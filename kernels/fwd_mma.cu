@@ -8,13 +8,13 @@
 //       and float16 x time-contiguous only, the window split too: see below); CLW: 0 for
 //       time-contiguous x, else channel-contiguous x in blocks of CLW warps. A persistent grid: for
 //       time-contiguous x each of the MMA_WARPS warps of a block takes its own run of items (spans
-//       of p.span outputs of a row), staging each into one of its two rows of shared memory with
-//       cp.async while it computes the other; for channel-contiguous x a block of CLW warps
-//       (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs of p.run spans of MMA_CL_CHANNELS channels,
-//       warp w computing rows w, w + CLW, .., the next item copied into a staging area while the
-//       current one is computed. Either way a row's window (positions t0 - D ..) lies in shared
-//       memory time-contiguous, p.row_len elements a row, and a row's weights are installed once
-//       per run.
+//       of p.span outputs of a row), or with p.sweep every n_warps-th item, staging each into one
+//       of its two rows of shared memory with cp.async while it computes the other; for
+//       channel-contiguous x a block of CLW warps (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs
+//       of p.run spans of MMA_CL_CHANNELS channels, warp w computing rows w, w + CLW, .., the next
+//       item copied into a staging area while the current one is computed. Either way a row's
+//       window (positions t0 - D ..) lies in shared memory time-contiguous, p.row_len elements a
+//       row, and a channel's weights are installed once for each item of another channel.
 //
 // For one channel, 16 consecutive outputs are a banded Toeplitz matrix of the weights times
 // the inputs before them:  out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m],  m < D + 16, with
