@@ -328,9 +328,8 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
             assert fields["row_len"] == d + fields["span"]
         # the staging area; a split window (float32 x, float16 x with other weights): each
         # warp's high and low bfloat16 rows
-        staging = (d + fields["span"]) * rows * 2 if cl else warps * fields["row_len"] * 4
-        if itemsize == 2 and not cl and xdtype == wdtype:
-            staging = 0
+        xsplit = not cl and (itemsize == 4 or xdtype != wdtype)  # (16-bit x here: float16)
+        staging = (d + fields["span"]) * rows * 2 if cl else warps * fields["row_len"] * 4 * xsplit
         assert fields["staging_at"] >= rows * fields["row_len"] * itemsize
         assert fields["weights_at"] == fields["staging_at"] + staging
         assert fields["out_at"] == fields["weights_at"] + (rows if cl else warps) * (2 * d + 32) * 4
@@ -338,6 +337,24 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         if cl:  # the blocks an SM is compiled for fit its shared memory
             per_sm = _forward_plan.CONSTANTS["MMA_CL_SM_WARPS"] // warps
             assert per_sm * (plan.smem + 1024) <= SM90_SMEM + 1024
+
+
+def mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, resident):
+    """The forward plan for dense x of ``shape`` ("cf" or "cl") and dtype names ``xdtype`` /
+    ``wdtype`` (bfloat16 included, which no array interface carries) on a device of
+    ``resident`` blocks, and its fwd_mma plan fields by name."""
+    import ml_dtypes
+
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: resident)
+    fake_device(monkeypatch, SM90_SMEM)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    xd, wd = (np.dtype(ml_dtypes.bfloat16 if d == "bfloat16" else d) for d in (xdtype, wdtype))
+    b, c, length = shape
+    strides = (c * length, 1, c) if layout == "cl" else (c * length, length, 1)
+    x = _arrays.Array(None, "fake", 0, 1 << 32, shape, strides, xd)
+    w = _arrays.Array(None, "fake", 0, 2 << 32, (c, width), (width, 1), wd)
+    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    return plan, dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
 
 
 @pytest.mark.parametrize(
@@ -359,19 +376,8 @@ def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layou
     """Time-contiguous fwd_mma sweeps its items over the grid where spans are at least
     MMA_SWEEP_SPAN long and a row's A fragments at most MMA_SWEEP_FRAGMENTS; elsewhere (and
     on channel-contiguous x) each warp (block) takes a run of consecutive items."""
-    import ml_dtypes
-
-    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 6)
-    fake_device(monkeypatch, SM90_SMEM)
-    monkeypatch.setattr(_forward_plan, "_plans", {})
-    xd, wd = (np.dtype(ml_dtypes.bfloat16 if d == "bfloat16" else d) for d in (xdtype, wdtype))
-    b, c, length = shape
-    strides = (c * length, 1, c) if layout == "cl" else (c * length, length, 1)
-    x = _arrays.Array(None, "fake", 0, 1 << 32, shape, strides, xd)
-    w = _arrays.Array(None, "fake", 0, 2 << 32, (c, width), (width, 1), wd)
-    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    plan, fields = mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, 132 * 6)
     assert plan.name.startswith("fwd_mma<")
-    fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields, strict=True))
     assert fields["sweep"] == sweep
     assert fields["span"] >= _forward_plan.MMA_SWEEP_SPAN or not sweep
 
@@ -392,19 +398,8 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_warps, 
     """bfloat16 x takes fwd_mma with any weights: split in two parts when they are wider;
     channel-contiguous x in blocks of 8 warps where the split fragments leave the registers for
     three blocks an SM, else 16."""
-    import ml_dtypes
-
-    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 8)
-    fake_device(monkeypatch, SM90_SMEM)
-    monkeypatch.setattr(_forward_plan, "_plans", {})
-    dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    strides = (64 * 4096, 1, 64) if layout == "cl" else (64 * 4096, 4096, 1)
-    x = _arrays.Array(None, "fake", 0, 1 << 32, (2, 64, 4096), strides, bf16)
-    w = _arrays.Array(None, "fake", 0, 2 << 32, (64, width), (width, 1), np.dtype(dtypes[wdtype]))
-    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    plan, fields = mma_plan(monkeypatch, (2, 64, 4096), layout, "bfloat16", wdtype, width, 132 * 8)
     assert plan.name == (name.replace(", 0>", f", {cl_warps}>") if layout == "cl" else name)
-    fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
     assert fields["x_aligned"] == 1
 
 

@@ -265,7 +265,7 @@ def test_float32_split_into_bfloat16_parts_keeps_float32_accuracy():
     tolerance of the contract (rtol 3e-4, atol 1e-3); the high parts alone would not be."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
 
-    def conv(x, w, K):  # direct(), by numpy
+    def conv(x, w):  # direct(), by numpy
         return np.convolve(x, w[::-1])[: len(x)]
 
     def parts(v):
@@ -277,14 +277,14 @@ def test_float32_split_into_bfloat16_parts_keeps_float32_accuracy():
         x = rng.standard_normal(3000) * np.exp(rng.uniform(-spread, spread, 3000))
         x = x.astype(np.float32).astype(np.float64)
         w = (rng.standard_normal(width) / width**0.5).astype(np.float32).astype(np.float64)
-        want = conv(x, w, width)
+        want = conv(x, w)
         (xh, xl), (wh, wl) = parts(x), parts(w)
-        got = conv(xh, wh, width) + conv(xh, wl, width) + conv(xl, wh, width)
-        scale = conv(np.abs(x), np.abs(w), width)
+        got = conv(xh, wh) + conv(xh, wl) + conv(xl, wh)
+        scale = conv(np.abs(x), np.abs(w))
         assert np.max(np.abs(got - want) / scale) < 2**-14
         if not spread:
             np.testing.assert_allclose(got, want, rtol=3e-4, atol=1e-4)  # a tenth of its atol
-        coarse = conv(xh, wh, width)
+        coarse = conv(xh, wh)
         assert np.max(np.abs(coarse - want) / scale) > 2**-10  # one product is not enough
 
 
