@@ -68,15 +68,17 @@ struct Taps {
     __device__ __forceinline__ static void zero(float* wpad) {
         for (int i = threadIdx.x & 31; i < SIZE; i += 32) wpad[i] = 0.f;
     }
-    // Issues the loads of channel c's taps and bias.
-    template <typename P>
+    // Issues the loads of channel c's taps and bias. Without SPLIT the taps are of x's dtype T.
+    template <typename T, bool SPLIT, typename P>
     __device__ __forceinline__ void fetch(const void* weight, const void* bias_p, const P& p, int64 c) {
         const int lane = threadIdx.x & 31, width = (int)p.width;
         const int64 at = c * p.weight_c_stride + lane * p.weight_width_stride, step = 32 * p.weight_width_stride;
-        with_dtype(weight, (int)p.weight_dtype, [&](auto w) {
+        auto load = [&](auto w) {
             #pragma unroll
             for (int j = 0; j < N; ++j) next[j] = lane + 32 * j < width ? raw_bits(w[at + j * step]) : 0u;
-        });
+        };
+        if constexpr (SPLIT) with_dtype(weight, (int)p.weight_dtype, load);
+        else load(static_cast<const T*>(weight));
         bias = 0u;
         if (bias_p) with_dtype(bias_p, (int)p.bias_dtype, [&](auto q) { bias = raw_bits(q[c * p.bias_stride]); });
     }
@@ -87,8 +89,11 @@ struct Taps {
         const int lane = threadIdx.x & 31;
         __syncwarp();  // the previous row's own_taps has read wpad
         #pragma unroll
-        for (int j = 0; j < N; ++j)
-            if (lane + 32 * j < width) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
+        for (int j = 0; j < N; ++j) {
+            if (lane + 32 * j >= width) continue;
+            if constexpr (SPLIT) wpad[PAD + lane + 32 * j] = bits_as<float>(next[j], weight_code);
+            else wpad[PAD + lane + 32 * j] = to_acc(from_bits<T>(next[j]));
+        }
         if (lane == 0) wpad[BIAS] = bits_as<float>(bias, bias_code);
         __syncwarp();
         build<typename MmaIn<T, SPLIT>::type>(rw, wpad, width);
@@ -340,8 +345,23 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
                 const int n_in = window_inputs(D, it.n_out);
                 T* const row = bufs + st * row_len;
                 const T* xr = x + b * p.x_batch_stride + c * p.x_c_stride;
-                // vectors [0, v0): before the row; [v0, v1): whole vectors of the row (aligned x)
-                const int v0 = w0 < 0 ? (int)(-w0 / VN) : 0;
+                // vectors [0, v0): before the row (-w0 <= D)
+                const int v0 = w0 < 0 ? (int)((unsigned)-w0 / VN) : 0;
+                if (x_aligned && (w0 >= 0 || !initial_states) && w0 + n_in <= seqlen) {
+                    // the window in the row but for zeros before it: whole vectors, by a
+                    // stepped pointer
+                    #pragma unroll 1
+                    for (int v = lane; v < v0; v += 32) reinterpret_cast<uint4*>(row)[v] = make_uint4(0, 0, 0, 0);
+                    const T* src = xr + w0 + (v0 + lane) * VN;
+                    unsigned dst = smem_address(row) + 16 * (v0 + lane);
+                    #pragma unroll 4
+                    for (int v = v0 + lane; v < n_in / VN; v += 32, src += 32 * VN, dst += 512)
+                        cp_async_shared16(dst, src);
+                    if (it.new_channel) taps.template fetch<T, SPLIT>(weight, bias, p, c);
+                    cp_async_commit();
+                    return;
+                }
+                // [v0, v1): whole vectors of the row (aligned x)
                 const int v1 = x_aligned ? (int)min((int64)n_in / VN, (seqlen - w0) / VN) : v0;
                 for (int v = lane; v < v0; v += 32) {
                     if (!initial_states) {
@@ -363,7 +383,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
                         for (int q = 0; q < VN; ++q) row[v * VN + q] = window_input(x, initial_states, p, b, c, pos + q);
                     }
                 }
-                if (it.new_channel) taps.fetch(weight, bias, p, c);
+                if (it.new_channel) taps.template fetch<T, SPLIT>(weight, bias, p, c);
             }
             cp_async_commit();
         };
@@ -384,11 +404,16 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
             row_outputs<T, KS, SPLIT>(row, split, (int)row_len, it.n_out, rw, wpad, x, initial_states, p, it.b, it.c,
                                       it.t0);
             T* const orow = out + it.b * p.out_batch_stride + it.c * p.out_c_stride + it.t0 * p.out_l_stride;
-            const int full = out_aligned ? it.n_out / VN : 0;
-            #pragma unroll 4
-            for (int v = lane; v < full; v += 32)
-                reinterpret_cast<uint4*>(orow)[v] = reinterpret_cast<const uint4*>(row)[v];
-            for (int o = full * VN + lane; o < it.n_out; o += 32) orow[o * p.out_l_stride] = row[o];
+            const int full = out_aligned ? (int)((unsigned)it.n_out / VN) : 0;
+            {
+                const uint4* from = reinterpret_cast<const uint4*>(row) + lane;
+                uint4* to = reinterpret_cast<uint4*>(orow) + lane;
+                #pragma unroll 4
+                for (int v = lane; v < full; v += 32, from += 32, to += 32) *to = *from;
+            }
+            if (full * VN < it.n_out) {  // (the rest element by element)
+                for (int o = full * VN + lane; o < it.n_out; o += 32) orow[o * p.out_l_stride] = row[o];
+            }
             __syncwarp();  // the row is free again
             it = next;
         }
@@ -524,7 +549,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
                 float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
                 if (c >= dim) break;
                 if (it.new_channel) {
-                    taps.fetch(weight, bias, p, c);
+                    taps.template fetch<T, SPLIT>(weight, bias, p, c);
                     taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
                 } else if constexpr (OWN > 1) {
                     Taps<KS>::template build<T, SPLIT>(rw, wr, width);

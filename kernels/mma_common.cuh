@@ -44,6 +44,12 @@ __device__ __forceinline__ unsigned raw_bits(float v) { return __float_as_uint(v
 __device__ __forceinline__ unsigned raw_bits(__half v) { return __half_as_ushort(v); }
 __device__ __forceinline__ unsigned raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ unsigned raw_bits(double v) { return __float_as_uint((float)v); }
+// A 16-bit value of type T from the bits raw_bits gave.
+template <typename T>
+__device__ __forceinline__ T from_bits(unsigned u) {
+    if constexpr (same_type<T, __half>) return __ushort_as_half((unsigned short)u);
+    else return __ushort_as_bfloat16((unsigned short)u);
+}
 
 // The banded Toeplitz products (fwd_mma's forward, bwd_mma's z and dx): D = 16 (KS - 1) window
 // inputs before a 16-output block's first, a channel's taps zero-padded in SIZE floats with the
