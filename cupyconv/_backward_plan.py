@@ -69,9 +69,12 @@ CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
-# bwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
-# and on longer rows.
-TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2), (8, 1), 1024
+# bwd_time: (16-byte vectors per lane, warps per block, staging areas per warp) on rows of up
+# to TIME_SHORT_ROW bytes, and on longer rows. Short rows of more than TIME_AHEAD_ROW bytes take
+# two staging areas, a run's next chunk copied while one is computed (on shorter rows the second
+# area costs more than it gains: benchmarks/NOTES.md, "bwd_time's runs").
+TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2, 1), (8, 1, 1), 1024
+TIME_AHEAD_CHUNK, TIME_AHEAD_ROW = (2, 2, 2), 768
 # bwd_time: a warp takes runs of up to TIME_RUN chunks of a channel (taps loaded and dweight
 # summed once a run), as long as the call keeps TIME_MIN_RUNS runs.
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
@@ -81,7 +84,7 @@ CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # bwd_channel: tiles per group (one group per warp), halved while the call has fewer than
 # CHANNEL_MIN_GROUPS groups, down to one tile.
-CHANNEL_TILES, CHANNEL_MIN_GROUPS = 16, 4096
+CHANNEL_TILES, CHANNEL_MIN_GROUPS = 32, 2048
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -160,8 +163,9 @@ class BackwardPlan:
 
 
 def _time_name(dtype: str, width: int, seq: bool, chunk) -> str:
-    vectors, warps = chunk
-    return f"bwd_time<{C_TYPES[dtype]}, {width}, {str(seq).lower()}, {vectors}, {warps}>"
+    vectors, warps, buffers = chunk
+    s = str(seq).lower()
+    return f"bwd_time<{C_TYPES[dtype]}, {width}, {s}, {vectors}, {warps}, {buffers}>"
 
 
 def _channel_tile(dtype: str, width: int) -> tuple[int, int, int]:
@@ -221,7 +225,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
         for w in widths:
             for seq in (False, True):
                 if w <= TIME_MAX_WIDTH:
-                    for chunk in (TIME_SHORT_CHUNK, TIME_LONG_CHUNK):
+                    for chunk in (TIME_SHORT_CHUNK, TIME_AHEAD_CHUNK, TIME_LONG_CHUNK):
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
                 if w <= CHANNEL_MAX_WIDTH and (seq or w < CHANNEL_WIDE_FROM):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
@@ -305,8 +309,12 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
 
 def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
-    chunk = TIME_SHORT_CHUNK if seqlen * itemsize <= TIME_SHORT_ROW else TIME_LONG_CHUNK
-    vectors, warps = chunk
+    row = seqlen * itemsize
+    if row > TIME_SHORT_ROW:
+        chunk = TIME_LONG_CHUNK
+    else:
+        chunk = TIME_AHEAD_CHUNK if row > TIME_AHEAD_ROW else TIME_SHORT_CHUNK
+    vectors, warps, _ = chunk
     per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks of a row
     run = TIME_RUN
     while run > 1 and dim * -(-batch * per_row // run) < TIME_MIN_RUNS:

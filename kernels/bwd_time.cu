@@ -1,12 +1,13 @@
 // bwd_time.cu: the backward for time-contiguous x (x_l_stride == 1, or rows of one step).
 //
-//   bwd_time<T, K, SEQ, NV, WARPS>
+//   bwd_time<T, K, SEQ, NV, WARPS, BUFS>
 //       width K <= the plan's TIME_MAX_WIDTH. Rows are cut into chunks of 32 NV vectors of VN
 //       elements (16 bytes each), and a channel's chunks (batch row by batch row) into
 //       p.runs runs of p.run_chunks. A warp takes a run (WARPS warps a block; the channels of
 //       a run, then the runs, handed out in order) and its chunks one after the other: the
 //       channel's taps loaded once, its dweight / dbias sums carried over them. SEQ says
-//       whether seq_idx is given.
+//       whether seq_idx is given. BUFS = 2: two staging areas a warp, the run's next chunk
+//       copied while one is computed.
 //
 // For a chunk, the warp stages x with HV vectors on each side (HV VN >= K-1) and dout with HV
 // vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that are
@@ -22,7 +23,7 @@
 // time-contiguous and starting on 16-byte boundaries.
 #include "bwd_common.cuh"
 
-template <typename T, int K, bool SEQ, int NV, int WARPS>
+template <typename T, int K, bool SEQ, int NV, int WARPS, int BUFS>
 __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / WARPS) bwd_time(BWD_ARRAYS, const __grid_constant__ BwdTimeParams p) {
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
@@ -43,9 +44,11 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
     constexpr int XV = 32 * NV + 2 * HV, DV = 32 * NV + HV;  // staged vectors of x and dout
     const int lane = threadIdx.x & 31;
     const int64 chunks_per_row = (seqlen + span - 1) / span, row_chunks = batch * chunks_per_row;
-    __shared__ Raw stage_mem[WARPS][XV + DV];
-    Raw* const xs = stage_mem[threadIdx.x / 32];
-    Raw* const ds = xs + XV;
+    __shared__ Raw stage_mem[WARPS][BUFS][XV + DV];
+    Raw* xs = stage_mem[threadIdx.x / 32][0];  // the chunk's staged x, then its dout at ds
+    Raw* ds = xs + XV;
+    Raw* other = stage_mem[threadIdx.x / 32][BUFS - 1];  // the next chunk's (BUFS = 2)
+    constexpr bool ahead = BUFS == 2;  // copies a chunk ahead
 
     const int64 n_runs = dim * runs;
     for (int64 g = grid_warp(); g < n_runs; g += grid_warps()) {
@@ -63,14 +66,14 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                               tap ? c * weight_c_stride + lane * weight_width_stride : c * bias_stride);
         A dw[K + 1] = {};  // this lane's share of dweight[c, :] and (k = K) dbias[c] over the run
         A w[K], bias_c;
-        for (bool first_chunk = true;; first_chunk = false) {  // chunk `chunk` of row b
-            const int64 start = chunk * span;
+        // Stages chunk sc of row sb: x at sx, dout at sx + XV (one cp.async group).
+        auto stage = [&](int64 sb, int64 sc, Raw* sx) {
+            Raw* const sd = sx + XV;
+            const int64 start = sc * span;
             const int n = (int)min(seqlen - start, (int64)span);  // the chunk's positions in the row
-            const T* const xr = x + b * x_batch_stride + c * x_c_stride;
-            const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
-            T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
+            const T* const xr = x + sb * x_batch_stride + c * x_c_stride;
+            const T* const dr = dout + sb * dout_batch_stride + c * dout_c_stride;
             const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
-
             __syncwarp();  // the stage's last readers are done
             // x: stage vector v holds positions start + (v - HV) VN ..; dout: start + v VN ... Rows
             // in 16-byte vectors: the chunk's own (unchecked when the chunk is all in the row,
@@ -90,15 +93,15 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 }
             };
             if (x_aligned && whole) {
-                stage_own(xs + HV, reinterpret_cast<const Raw*>(xr + start));
+                stage_own(sx + HV, reinterpret_cast<const Raw*>(xr + start));
                 if (lane < 2 * HV) {
                     const int v = lane < HV ? lane : 32 * NV + lane;
                     const int64 pos = start + (int64)(v - HV) * VN;
                     const bool in = pos >= 0 && pos < seqlen;
-                    cp_async<16>(xs + v, in ? xr + pos : xr, in ? 16 : 0);
+                    cp_async<16>(sx + v, in ? xr + pos : xr, in ? 16 : 0);
                 }
             } else {
-                T* const e = reinterpret_cast<T*>(xs);
+                T* const e = reinterpret_cast<T*>(sx);
                 for (int q = lane; q < XV * VN; q += 32) {
                     const int64 pos = start - HE + q;
                     e[q] = pos >= 0 && pos < seqlen ? xr[pos * x_l_stride] : T();
@@ -106,27 +109,45 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             }
             if (dout_aligned && whole) {
                 const Raw* const src = reinterpret_cast<const Raw*>(dr + start);
-                stage_own(ds, src);
+                stage_own(sd, src);
                 if (lane < HV) {
                     const int v = 32 * NV + lane;
                     const bool in = start + (int64)v * VN < seqlen;
-                    cp_async<16>(ds + v, in ? src + v : src, in ? 16 : 0);
+                    cp_async<16>(sd + v, in ? src + v : src, in ? 16 : 0);
                 }
             } else {
-                T* const e = reinterpret_cast<T*>(ds);
+                T* const e = reinterpret_cast<T*>(sd);
                 for (int q = lane; q < DV * VN; q += 32) {
                     const int64 pos = start + q;
                     e[q] = pos < seqlen ? dr[pos * dout_l_stride] : T();
                 }
             }
             cp_async_commit();
+        };
+        for (bool first_chunk = true;; first_chunk = false) {  // chunk `chunk` of row b
+            const int64 start = chunk * span;
+            const int n = (int)min(seqlen - start, (int64)span);  // the chunk's positions in the row
+            const T* const xr = x + b * x_batch_stride + c * x_c_stride;
+            const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
+            T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
+            const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
+            // Staged now: this chunk (k = 0) unless it was copied ahead, and with two areas the
+            // run's next chunk (k = 1, into the other area). One call site: bwd_time is
+            // sensitive to its code size (benchmarks/NOTES.md).
+            const int from = ahead && !first_chunk ? 1 : 0, to = ahead && left > 1 ? 2 : 1;
+            #pragma unroll 1
+            for (int k = from; k < to; ++k) {
+                const bool wrap = k == 1 && chunk + 1 == chunks_per_row;
+                stage(wrap ? b + 1 : b, k == 0 ? chunk : wrap ? 0 : chunk + 1, k == 0 ? xs : other);
+            }
             if (first_chunk) {  // with SiLU: scaled (silu_grad_scaled), as are dz and dw
                 const A scale = act_scale<A>(silu_act);
                 #pragma unroll
                 for (int k = 0; k < K; ++k) w[k] = scale * __shfl_sync(0xffffffffu, mine, k);
                 bias_c = scale * __shfl_sync(0xffffffffu, mine, K);
             }
-            cp_async_wait<0>();
+            if (to == 2) cp_async_wait<1>();  // (the next chunk's copies may run on)
+            else cp_async_wait<0>();
             __syncwarp();
             // The chunk, compiled twice: TAIL (the row ends inside the chunk: every position is
             // checked against it) and not.
@@ -288,6 +309,12 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             if (++chunk == chunks_per_row) {
                 chunk = 0;
                 ++b;
+            }
+            if (ahead) {  // the next chunk is in the other area
+                Raw* const t = xs;
+                xs = other;
+                other = t;
+                ds = xs + XV;
             }
         }
         // The warp's sums of the K + 1 shares, by halving exchanges (a fixed tree): after the

@@ -140,6 +140,20 @@ def test_time_runs(launches, shape, run):
 
 
 @pytest.mark.parametrize(
+    "dtype,seqlen,chunk",
+    [(np.float16, 384, "2, 2, 1"), (np.float16, 385, "2, 2, 2"), (np.float16, 512, "2, 2, 2"),
+     (np.float16, 513, "8, 1, 1"), (np.float32, 192, "2, 2, 1"), (np.float32, 256, "2, 2, 2"),
+     (np.float64, 128, "2, 2, 2"), (np.float64, 129, "8, 1, 1")],
+)  # fmt: skip
+def test_time_chunks_by_row_bytes(launches, dtype, seqlen, chunk):
+    """bwd_time's chunk (vectors a lane, warps a block, staging areas a warp): short chunks up to
+    TIME_SHORT_ROW bytes a row, with a second staging area above TIME_AHEAD_ROW bytes."""
+    call(cf(4, 64, seqlen, dtype=dtype), 4)
+    (name, plan, _) = launches["launches"][0]
+    assert plan.name.endswith(f", 4, false, {chunk}>"), plan.name
+
+
+@pytest.mark.parametrize(
     "x,width,main",
     [(cf(1, 64, 300), 4, "bwd_time"), (cl(1, 64, 16), 4, "bwd_channel"),
      (cl(1, 64, 300), 20, "bwd_wide")],

@@ -416,10 +416,14 @@ def time_runs(monkeypatch):
 
 @pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
 @pytest.mark.parametrize("width", (1, 4, 8, 16))
-@pytest.mark.parametrize("dtype,seqlen", [("float32", 250), ("float32", 2100), ("bfloat16", 600)])
+@pytest.mark.parametrize(
+    "dtype,seqlen",
+    [("float32", 180), ("float32", 250), ("float32", 2100), ("bfloat16", 500), ("bfloat16", 600)],
+)  # fmt: skip
 def test_time_runs(time_runs, layout, width, dtype, seqlen):
     """Runs of 8 chunks across batch rows (5 rows of 1 or 3 chunks: runs end inside a row and
-    at the call's end), chunks cut by the row's end, one-chunk rows."""
+    at the call's end), chunks cut by the row's end, one-chunk rows with one staging area a warp
+    and with two (the next chunk, in the next row, copied ahead)."""
     run_bwd(5, 7, seqlen, width, dtype, layout=layout, init=True, dfinal=True, seed=width)
     from cupyconv import _backward_plan
 
@@ -431,10 +435,11 @@ def test_time_runs(time_runs, layout, width, dtype, seqlen):
 
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
 @pytest.mark.parametrize("width", (3, 16))
-def test_time_runs_features(time_runs, features, width):
+@pytest.mark.parametrize("seqlen", (230, 1300))
+def test_time_runs_features(time_runs, features, width, seqlen):
     f = set(features.split("-"))
     run_bwd(
-        6, 9, 1300, width, "float32", bias="nobias" not in f, silu="nosilu" not in f,
+        6, 9, seqlen, width, "float32", bias="nobias" not in f, silu="nosilu" not in f,
         segments=4 if "seq" in f else 0, padding="padding" in f,
         init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
         buffers="buffers" in f, seed=width,
@@ -449,6 +454,45 @@ def test_time_runs_repeatable(time_runs):
     for _ in range(3):
         again = run_bwd(9, 64, 2500, 4, "bfloat16", **case)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# ---- bwd_channel: groups of CHANNEL_TILES tiles, one warp each --------------------------------
+
+
+@pytest.fixture
+def channel_groups(monkeypatch):
+    """bwd_channel's groups of CHANNEL_TILES tiles for every call, however few groups it then
+    has (and bwd_channel for bfloat16 x from width 12 on)."""
+    yield from forced_route(monkeypatch, "bwd_channel", CHANNEL_MIN_GROUPS=1, MMA_CL_MIN_WIDTH=1000)
+
+
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+@pytest.mark.parametrize("width", (1, 4, 8, 12))
+@pytest.mark.parametrize("dtype,seqlen", [("float32", 1100), ("bfloat16", 513), ("float64", 300)])
+def test_channel_groups(channel_groups, layout, width, dtype, seqlen):
+    """Groups of many tiles: a batch row in one or several groups, the last cut by the row's
+    end; one part of the partials a group."""
+    run_bwd(3, 70, seqlen, width, dtype, layout=layout, init=True, dfinal=True, seed=width)
+    from cupyconv import _backward_plan
+
+    (plan,) = _backward_plan._plans.values()
+    main = plan.launches[0]
+    f = dict(zip(_backward_plan.CHANNEL.plan_fields, main.plan_fields, strict=True))
+    steps = int(main.name.split(",")[3])  # the tile's time steps
+    assert f["group_tiles"] == _backward_plan.CHANNEL_TILES
+    assert plan.n_parts == 3 * -(-seqlen // (steps * f["group_tiles"]))
+
+
+@pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
+@pytest.mark.parametrize("width", (3, 12))
+def test_channel_groups_features(channel_groups, features, width):
+    f = set(features.split("-"))
+    run_bwd(
+        4, 40, 1200, width, "bfloat16", layout="cl", bias="nobias" not in f,
+        silu="nosilu" not in f, segments=5 if "seq" in f else 0, padding="padding" in f,
+        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
+        buffers="buffers" in f, seed=width,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
