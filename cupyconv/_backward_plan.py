@@ -69,12 +69,13 @@ CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
-# bwd_time: (16-byte vectors per lane, warps per block, staging areas per warp) on rows of up
-# to TIME_SHORT_ROW bytes, and on longer rows. Short rows of more than TIME_AHEAD_ROW bytes take
-# two staging areas, a run's next chunk copied while one is computed (on shorter rows the second
-# area costs more than it gains: benchmarks/NOTES.md, "bwd_time's runs").
-TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 2, 1), (8, 1, 1), 1024
-TIME_AHEAD_CHUNK, TIME_AHEAD_ROW = (2, 2, 2), 768
+# bwd_time's chunks: (16-byte vectors a lane, warps a block, staging areas a warp) for rows of
+# up to so many bytes (a row in one chunk), and TIME_LONG_CHUNK for longer rows. With two
+# staging areas a run's next chunk is copied while one is computed; on the shortest rows the
+# second area costs more than it gains (benchmarks/NOTES.md, "bwd_time's second staging area,
+# and bwd_channel's groups").
+TIME_CHUNKS = ((512, (1, 2, 1)), (1024, (2, 2, 2)), (2048, (4, 2, 2)))
+TIME_LONG_CHUNK = (8, 1, 1)
 # bwd_time: a warp takes runs of up to TIME_RUN chunks of a channel (taps loaded and dweight
 # summed once a run), as long as the call keeps TIME_MIN_RUNS runs.
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
@@ -225,7 +226,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
         for w in widths:
             for seq in (False, True):
                 if w <= TIME_MAX_WIDTH:
-                    for chunk in (TIME_SHORT_CHUNK, TIME_AHEAD_CHUNK, TIME_LONG_CHUNK):
+                    for chunk in (*(c for _, c in TIME_CHUNKS), TIME_LONG_CHUNK):
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
                 if w <= CHANNEL_MAX_WIDTH and (seq or w < CHANNEL_WIDE_FROM):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
@@ -310,10 +311,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
 def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     row = seqlen * itemsize
-    if row > TIME_SHORT_ROW:
-        chunk = TIME_LONG_CHUNK
-    else:
-        chunk = TIME_AHEAD_CHUNK if row > TIME_AHEAD_ROW else TIME_SHORT_CHUNK
+    chunk = next((c for most, c in TIME_CHUNKS if row <= most), TIME_LONG_CHUNK)
     vectors, warps, _ = chunk
     per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks of a row
     run = TIME_RUN

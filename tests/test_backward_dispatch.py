@@ -132,7 +132,8 @@ def test_time_runs(launches, shape, run):
     call(FakeCudaArray(shape, dtype=np.float16), 4)
     (name, plan, params) = launches["launches"][0]
     f = dict(zip(_backward_plan.TIME.plan_fields, plan.plan_fields, strict=True))
-    chunks = batch * -(-seqlen // (512 if seqlen <= 512 else 2048))  # a channel's
+    vectors = next((c[0] for most, c in _backward_plan.TIME_CHUNKS if 2 * seqlen <= most), 8)
+    chunks = batch * -(-seqlen // (32 * vectors * 8))  # a channel's (8 float16 a vector)
     assert name.startswith("bwd_time") and f["run_chunks"] == run
     assert f["runs"] == params["n_parts"] == -(-chunks // run)
     assert plan.grid == -(-dim * f["runs"] // (plan.block[0] // 32))
@@ -141,13 +142,15 @@ def test_time_runs(launches, shape, run):
 
 @pytest.mark.parametrize(
     "dtype,seqlen,chunk",
-    [(np.float16, 384, "2, 2, 1"), (np.float16, 385, "2, 2, 2"), (np.float16, 512, "2, 2, 2"),
-     (np.float16, 513, "8, 1, 1"), (np.float32, 192, "2, 2, 1"), (np.float32, 256, "2, 2, 2"),
-     (np.float64, 128, "2, 2, 2"), (np.float64, 129, "8, 1, 1")],
+    [(np.float16, 256, "1, 2, 1"), (np.float16, 257, "2, 2, 2"), (np.float16, 512, "2, 2, 2"),
+     (np.float16, 513, "4, 2, 2"), (np.float16, 1024, "4, 2, 2"), (np.float16, 1025, "8, 1, 1"),
+     (np.float32, 128, "1, 2, 1"), (np.float32, 256, "2, 2, 2"), (np.float64, 64, "1, 2, 1"),
+     (np.float64, 256, "4, 2, 2"), (np.float64, 257, "8, 1, 1")],
 )  # fmt: skip
 def test_time_chunks_by_row_bytes(launches, dtype, seqlen, chunk):
-    """bwd_time's chunk (vectors a lane, warps a block, staging areas a warp): short chunks up to
-    TIME_SHORT_ROW bytes a row, with a second staging area above TIME_AHEAD_ROW bytes."""
+    """bwd_time's chunk (vectors a lane, warps a block, staging areas a warp) by the row's bytes:
+    one vector a lane up to 512, two with two staging areas up to 1024, four up to 2048 (a row
+    in one chunk), then eight."""
     call(cf(4, 64, seqlen, dtype=dtype), 4)
     (name, plan, _) = launches["launches"][0]
     assert plan.name.endswith(f", 4, false, {chunk}>"), plan.name

@@ -418,12 +418,12 @@ def time_runs(monkeypatch):
 @pytest.mark.parametrize("width", (1, 4, 8, 16))
 @pytest.mark.parametrize(
     "dtype,seqlen",
-    [("float32", 180), ("float32", 250), ("float32", 2100), ("bfloat16", 500), ("bfloat16", 600)],
+    [("float32", 100), ("float32", 250), ("float32", 2100), ("bfloat16", 500), ("bfloat16", 600)],
 )  # fmt: skip
 def test_time_runs(time_runs, layout, width, dtype, seqlen):
     """Runs of 8 chunks across batch rows (5 rows of 1 or 3 chunks: runs end inside a row and
-    at the call's end), chunks cut by the row's end, one-chunk rows with one staging area a warp
-    and with two (the next chunk, in the next row, copied ahead)."""
+    at the call's end), chunks cut by the row's end, one-chunk rows of each chunk shape (one
+    staging area a warp, and two: the next chunk, in the next row, copied ahead)."""
     run_bwd(5, 7, seqlen, width, dtype, layout=layout, init=True, dfinal=True, seed=width)
     from cupyconv import _backward_plan
 
@@ -435,7 +435,7 @@ def test_time_runs(time_runs, layout, width, dtype, seqlen):
 
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
 @pytest.mark.parametrize("width", (3, 16))
-@pytest.mark.parametrize("seqlen", (230, 1300))
+@pytest.mark.parametrize("seqlen", (100, 230, 1300))
 def test_time_runs_features(time_runs, features, width, seqlen):
     f = set(features.split("-"))
     run_bwd(

@@ -72,7 +72,7 @@ def test_default_command_without_gpu():
     assert "check on the CPU path (numpy arrays): all 72 match the float64 reference" in out
     if not nvrtc_missing():
         assert "compile check: 15 forward kernel instances compile with NVRTC" in out
-        assert "17 backward, update and varlen instances for sm_90" in out
+        assert "18 backward, update and varlen instances for sm_90" in out
     assert "bench: no GPU (" in out and "nothing to time (6 cases skipped)" in out
     assert out.rstrip().endswith("ok")
 
@@ -230,7 +230,7 @@ def offline_names(*args: str) -> list[str]:
     [
         pytest.param(
             "--dim 256 --seqlen 64 --ops fwd,bwd", [
-                f"bwd_time<{T}, 4, false, 2, 2, 1>", f"fwd_time<{T}, 4, false, 2, 4>",
+                f"bwd_time<{T}, 4, false, 1, 2, 1>", f"fwd_time<{T}, 4, false, 2, 4>",
             ], id="cf-short-rows",  # one part: no bwd_reduce
         ),
         pytest.param(
