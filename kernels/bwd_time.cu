@@ -127,8 +127,6 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
         for (bool first_chunk = true;; first_chunk = false) {  // chunk `chunk` of row b
             const int64 start = chunk * span;
             const int n = (int)min(seqlen - start, (int64)span);  // the chunk's positions in the row
-            const T* const xr = x + b * x_batch_stride + c * x_c_stride;
-            const T* const dr = dout + b * dout_batch_stride + c * dout_c_stride;
             T* const dxr = dx + b * dx_batch_stride + c * dx_c_stride;
             const bool whole = n == span || seqlen % VN == 0;  // no vector cut by the row's end
             // Staged now: this chunk (k = 0) unless it was copied ahead, and with two areas the
