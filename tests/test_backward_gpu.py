@@ -99,6 +99,20 @@ def run_bwd(
     return dx, dw, db, di
 
 
+def features_of(features: str, segments: int = 4) -> dict:
+    """run_bwd's keyword arguments for a dash-separated list of features: nobias, nosilu, seq
+    (``segments`` segments), padding, init, dfinal, buffers (output buffers, with init and
+    dfinal), all (seq, padding, init and dfinal)."""
+    f = set(features.split("-"))
+    every = "all" in f
+    return dict(
+        bias="nobias" not in f, silu="nosilu" not in f,
+        segments=segments if every or "seq" in f else 0, padding=every or "padding" in f,
+        init=every or bool(f & {"init", "buffers"}),
+        dfinal=every or bool(f & {"dfinal", "buffers"}), buffers="buffers" in f,
+    )  # fmt: skip
+
+
 WIDTHS = (1, 2, 3, 4, 5, 8, 16, 17, 31, 64, 256)
 LAYOUTS = ("cf", "cl", "cl_slice", "cf_slice", "time_stride2", "misaligned", "misaligned_cl")
 
@@ -132,13 +146,7 @@ def test_dtype_pairs(dtype, wdtype):
     ["bias", "nobias-nosilu", "seq", "seq-padding", "init", "dfinal", "seq-init-dfinal", "all"],
 )
 def test_features(layout, width, features):
-    f = set(features.split("-"))
-    run_bwd(
-        3, 33, 257, width, "float32", layout=layout,
-        bias="nobias" not in f, silu="nosilu" not in f,
-        segments=4 if f & {"seq", "all"} else 0, padding=bool(f & {"padding", "all"}),
-        init=bool(f & {"init", "all"}), dfinal=bool(f & {"dfinal", "all"}), seed=width,
-    )  # fmt: skip
+    run_bwd(3, 33, 257, width, "float32", layout=layout, seed=width, **features_of(features))
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
@@ -227,12 +235,8 @@ def test_tensor_core_channel_last_widths(tensor_cores, width, layout):
     [("cf", 2), ("cf", 5), ("cf", 16), ("cf", 64), ("cf", 256), ("cl", 5), ("cl", 33), ("cl", 64)],
 )
 def test_tensor_core_features(tensor_cores, features, layout, width):
-    f = set(features.split("-"))
-    run_bwd(
-        3, 24 if layout == "cl" else 20, 700, width, "bfloat16", layout=layout,
-        bias="nobias" not in f, silu="nosilu" not in f, init=bool(f & {"init", "buffers"}),
-        dfinal=bool(f & {"dfinal", "buffers"}), buffers="buffers" in f, seed=width,
-    )  # fmt: skip
+    dim = 24 if layout == "cl" else 20
+    run_bwd(3, dim, 700, width, "bfloat16", layout=layout, seed=width, **features_of(features))
 
 
 @pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 700, 1024, 1025, 2100))
@@ -359,12 +363,7 @@ def test_wide_dtypes(wide_path, dtype, wdtype, layout, width):
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 @pytest.mark.parametrize("width", (3, 40, 256))
 def test_wide_features(wide_path, features, layout, width):
-    f = set(features.split("-"))
-    run_bwd(
-        3, 20, 600, width, "float32", layout=layout, bias="nobias" not in f,
-        silu="nosilu" not in f, init=bool(f & {"init", "buffers"}),
-        dfinal=bool(f & {"dfinal", "buffers"}), buffers="buffers" in f, seed=width,
-    )  # fmt: skip
+    run_bwd(3, 20, 600, width, "float32", layout=layout, seed=width, **features_of(features))
 
 
 @pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 513, 1000, 5000))
@@ -437,13 +436,7 @@ def test_time_runs(time_runs, layout, width, dtype, seqlen):
 @pytest.mark.parametrize("width", (3, 16))
 @pytest.mark.parametrize("seqlen", (100, 230, 1300))
 def test_time_runs_features(time_runs, features, width, seqlen):
-    f = set(features.split("-"))
-    run_bwd(
-        6, 9, seqlen, width, "float32", bias="nobias" not in f, silu="nosilu" not in f,
-        segments=4 if "seq" in f else 0, padding="padding" in f,
-        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
-        buffers="buffers" in f, seed=width,
-    )  # fmt: skip
+    run_bwd(6, 9, seqlen, width, "float32", seed=width, **features_of(features))
 
 
 def test_time_runs_repeatable(time_runs):
@@ -486,13 +479,7 @@ def test_channel_groups(channel_groups, layout, width, dtype, seqlen):
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
 @pytest.mark.parametrize("width", (3, 12))
 def test_channel_groups_features(channel_groups, features, width):
-    f = set(features.split("-"))
-    run_bwd(
-        4, 40, 1200, width, "bfloat16", layout="cl", bias="nobias" not in f,
-        silu="nosilu" not in f, segments=5 if "seq" in f else 0, padding="padding" in f,
-        init=bool(f & {"init", "buffers"}), dfinal=bool(f & {"dfinal", "buffers"}),
-        buffers="buffers" in f, seed=width,
-    )  # fmt: skip
+    run_bwd(4, 40, 1200, width, "bfloat16", layout="cl", seed=width, **features_of(features, 5))
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
