@@ -55,6 +55,7 @@ CONSTANTS = {
     "WIDE_BATCH": 8,  # bwd_wide: loads a thread has in flight while it stages rows
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
+    "REDUCE_WARPS": 8,  # bwd_reduce: warps a block, 32 sums a block (each warp every 8th part)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
@@ -86,7 +87,7 @@ CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # bwd_channel: tiles per group (one group per warp), halved while the call has fewer than
 # CHANNEL_MIN_GROUPS groups, down to one tile.
 CHANNEL_TILES, CHANNEL_MIN_GROUPS = 32, 2048
-GENERAL_THREADS = 256  # bwd_dz, bwd_dx, bwd_reduce: threads per block
+GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -507,15 +508,18 @@ def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, sc
     there is more than one part)."""
     batch, dim, _ = x.shape
     t = C_TYPES[x.dtype_name]
-    block = (GENERAL_THREADS, 1)
     if states and width > 1 and batch > 0:
         grid = _grid(batch * dim, STATES_THREADS)
         launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
     if n_parts != 1:
-        warps = GENERAL_THREADS // 32
-        grid = _grid(dim * (width + 1), warps)
-        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", grid, block))
+        launches.append(_reduce_launch(t, dim * (width + 1)))
     return BackwardPlan(tuple(launches), n_parts, scratch)
+
+
+def _reduce_launch(t: str, sums: int) -> Launch:
+    """bwd_reduce over ``sums`` sums of each part: 32 a block."""
+    block = (32 * CONSTANTS["REDUCE_WARPS"], 1)
+    return REDUCE.launch(f"bwd_reduce<{t}>", _grid(sums, 32), block)
 
 
 # ---- the typed argument builder --------------------------------------------------------------

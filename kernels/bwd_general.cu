@@ -12,9 +12,11 @@
 //                   with dfinal_states dx at the row's last K-1 positions again, with the
 //                   gradient of final_states added (dz of those positions recomputed; every
 //                   layout's plan launches it when either is given).
-//   bwd_reduce<T>   one warp per (c, k): partials[0..n_parts)[c][k] summed in a fixed order
-//                   into dweight[c, k] (k < K) or dbias[c] (k = K); not launched for a
-//                   single part (write_sum).
+//   bwd_reduce<T>   32 sums (c, k) a block of REDUCE_WARPS warps, lane l the block's sum l
+//                   (consecutive lanes read consecutive sums of a part): warp w adds parts w,
+//                   w + REDUCE_WARPS, ... of it, then warp 0 the warps' totals in warp order,
+//                   into dweight[c, k] (k < K) or dbias[c] (k = K): a fixed order. Not
+//                   launched for a single part (write_sum).
 // p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
 // contiguous data: coalesced), else time fastest. Every kernel loops over its work grid-stride;
 // every offset is 64-bit.
@@ -176,19 +178,27 @@ __global__ void bwd_states(BWD_ARRAYS, const __grid_constant__ BwdStatesParams p
 }
 
 template <typename T>
-__global__ void bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
+__global__ void __launch_bounds__(32 * REDUCE_WARPS) bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
     using A = typename AccOf<T>::type;
-    const int64 dim = p.dim, n_parts = p.n_parts, row = p.width + 1;
-    const int lane = threadIdx.x & 31;
-    for (int64 i = grid_warp(); i < dim * row; i += grid_warps()) {
-        const int64 c = i / row, k = i % row;
+    __shared__ A totals[REDUCE_WARPS][32];
+    const int64 row = p.width + 1, sums = p.dim * row, n_parts = p.n_parts;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    for (int64 first = blockIdx.x * 32LL; first < sums; first += gridDim.x * 32LL) {
+        const int64 i = first + lane;
         A sum = A(0);
-        for (int64 part = lane; part < n_parts; part += 32) sum += partials[(part * dim + c) * row + k];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) {
+        if (i < sums) {
+            #pragma unroll 4
+            for (int64 part = warp; part < n_parts; part += REDUCE_WARPS) sum += partials[part * sums + i];
+        }
+        totals[warp][lane] = sum;
+        __syncthreads();
+        if (warp == 0 && i < sums) {
+            #pragma unroll
+            for (int w = 1; w < REDUCE_WARPS; ++w) sum += totals[w][lane];
+            const int64 c = i / row, k = i - c * row;
             if (k < p.width) store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, sum);
             else if (dbias) store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, sum);
         }
+        __syncthreads();
     }
 }
