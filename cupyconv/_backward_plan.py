@@ -55,7 +55,7 @@ CONSTANTS = {
     "WIDE_BATCH": 8,  # bwd_wide: loads a thread has in flight while it stages rows
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
-    "REDUCE_WARPS": 8,  # bwd_reduce: warps a block, 32 sums a block (each warp every 8th part)
+    "REDUCE_WARPS": 8,  # bwd_reduce: warps a block of 32 sums (warp w: parts w, w + 8, ...)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times

@@ -120,6 +120,15 @@ def test_partials_and_scratch(launches):
     assert ((3, 64, 5000), (5000 * 64, 1, 64), "float32") in shapes
 
 
+def test_reduce_launch(launches):
+    """bwd_reduce: 32 sums (of dim (width + 1)) a block of REDUCE_WARPS warps."""
+    call(cf(3, 100, 5000), 4)
+    (name, plan, params) = launches["launches"][-1]
+    assert name == "bwd_reduce" and params["n_parts"] > 1
+    warps = _backward_plan.CONSTANTS["REDUCE_WARPS"]
+    assert plan.block == (32 * warps, 1) and plan.grid == -(-100 * 5 // 32)
+
+
 @pytest.mark.parametrize(
     "shape,run",
     [((8, 5120, 2048), 2), ((1, 4096, 16384), 2), ((64, 1024, 512), 4), ((256, 4096, 64), 8),
