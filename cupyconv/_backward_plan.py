@@ -511,15 +511,10 @@ def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, sc
     if states and width > 1 and batch > 0:
         grid = _grid(batch * dim, STATES_THREADS)
         launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
-    if n_parts != 1:
-        launches.append(_reduce_launch(t, dim * (width + 1)))
+    if n_parts != 1:  # bwd_reduce: 32 of the dim (width + 1) sums a block
+        block = (32 * CONSTANTS["REDUCE_WARPS"], 1)
+        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", _grid(dim * (width + 1), 32), block))
     return BackwardPlan(tuple(launches), n_parts, scratch)
-
-
-def _reduce_launch(t: str, sums: int) -> Launch:
-    """bwd_reduce over ``sums`` sums of each part: 32 a block."""
-    block = (32 * CONSTANTS["REDUCE_WARPS"], 1)
-    return REDUCE.launch(f"bwd_reduce<{t}>", _grid(sums, 32), block)
 
 
 # ---- the typed argument builder --------------------------------------------------------------

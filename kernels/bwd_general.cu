@@ -195,9 +195,8 @@ __global__ void __launch_bounds__(32 * REDUCE_WARPS) bwd_reduce(BWD_ARRAYS, cons
         if (warp == 0 && i < sums) {
             #pragma unroll
             for (int w = 1; w < REDUCE_WARPS; ++w) sum += totals[w][lane];
-            const int64 c = i / row, k = i - c * row;
-            if (k < p.width) store_as(dweight, (int)p.weight_dtype, c * p.dweight_c_stride + k * p.dweight_width_stride, sum);
-            else if (dbias) store_as(dbias, (int)p.bias_dtype, c * p.dbias_stride, sum);
+            const int64 c = i / row;
+            write_result(dweight, dbias, p, c, i - c * row, sum);
         }
         __syncthreads();
     }
