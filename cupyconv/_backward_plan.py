@@ -116,7 +116,7 @@ TIME = Kernel(
     "bwd_time", "bwd_time.cu", "BwdTimeParams",
     (
         "x_aligned", "dout_aligned", "dx_aligned", "chunk_divisor", "dim_divisor", "runs",
-        "run_chunks",
+        "run_chunks", "whole_rows",
     ),
 )  # fmt: skip
 CHANNEL = Kernel(
@@ -314,17 +314,19 @@ def _plan_time(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     row = seqlen * itemsize
     chunk = next((c for most, c in TIME_CHUNKS if row <= most), TIME_LONG_CHUNK)
     vectors, warps, _ = chunk
-    per_row = -(-seqlen // (32 * vectors * 16 // itemsize))  # chunks of a row
+    span = 32 * vectors * 16 // itemsize  # positions of a chunk
+    per_row = -(-seqlen // span)  # chunks of a row
     run = TIME_RUN
     while run > 1 and dim * -(-batch * per_row // run) < TIME_MIN_RUNS:
         run //= 2
     runs = -(-batch * per_row // run)  # a channel's runs, one per warp
     grid = _grid(dim * runs, warps)
+    x_aligned, dout_aligned = rows_aligned(x, 2), rows_aligned(dout, 2)
     launch = TIME.launch(
         _time_name(x.dtype_name, width, has_seq, chunk), grid, (32 * warps, 1),
-        x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
-        dx_aligned=rows_aligned(dx, 2), chunk_divisor=fast_divisor(per_row),
-        dim_divisor=fast_divisor(dim), runs=runs, run_chunks=run,
+        x_aligned=x_aligned, dout_aligned=dout_aligned, dx_aligned=rows_aligned(dx, 2),
+        chunk_divisor=fast_divisor(per_row), dim_divisor=fast_divisor(dim), runs=runs,
+        run_chunks=run, whole_rows=seqlen == span and x_aligned and dout_aligned,
     )  # fmt: skip
     return _finish([launch], x, width, states, runs, None)
 

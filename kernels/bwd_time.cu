@@ -20,7 +20,9 @@
 // the row are initial_states (zeros without them); dz past the row's end is 0. The work item
 // is divided by the plan's fast divisor p.dim_divisor, the run's first chunk by
 // p.chunk_divisor (chunks per row). p.x_aligned / p.dout_aligned / p.dx_aligned: rows
-// time-contiguous and starting on 16-byte boundaries.
+// time-contiguous and starting on 16-byte boundaries. p.whole_rows: every row is one whole chunk
+// and x and dout are aligned, so a chunk is staged as its row's vectors alone (no halo copies,
+// no bounds: x's halo before the row stays zero, the chunk's tail past the row is 0).
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int NV, int WARPS, int BUFS>
@@ -34,7 +36,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 dx_l_stride = p.dx_l_stride, chunk_divisor = p.chunk_divisor, dim_divisor = p.dim_divisor,
                 runs = p.runs, run_chunks = p.run_chunks;
     const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act,
-              x_aligned = (int)p.x_aligned, dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned;
+              x_aligned = (int)p.x_aligned, dout_aligned = (int)p.dout_aligned, dx_aligned = (int)p.dx_aligned,
+              whole_rows = (int)p.whole_rows;
     using Raw = typename Vec<T>::Raw;
     constexpr int VN = Vec<T>::V;              // elements per 16-byte vector
     constexpr int HV = (K - 1 + VN - 1) / VN;  // halo vectors on each side
@@ -49,6 +52,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
     Raw* ds = xs + XV;
     Raw* other = stage_mem[threadIdx.x / 32][BUFS - 1];  // the next chunk's (BUFS = 2)
     constexpr bool ahead = BUFS == 2;  // copies a chunk ahead
+    if (whole_rows) {  // x's halo before the row: zeros, never copied over (the halos after it go unread)
+        for (int v = lane; v < BUFS * HV; v += 32) stage_mem[threadIdx.x / 32][v / max(HV, 1)][v % max(HV, 1)] = Raw{};
+    }
 
     const int64 n_runs = dim * runs;
     for (int64 g = grid_warp(); g < n_runs; g += grid_warps()) {
@@ -69,6 +75,18 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
         // Stages chunk sc of row sb: x at sx, dout at sx + XV (one cp.async group).
         auto stage = [&](int64 sb, int64 sc, Raw* sx) {
             Raw* const sd = sx + XV;
+            if (whole_rows) {  // the chunk is row sb, in 16-byte vectors: copied without checks
+                const Raw* const xr = reinterpret_cast<const Raw*>(x + sb * x_batch_stride + c * x_c_stride);
+                const Raw* const dr = reinterpret_cast<const Raw*>(dout + sb * dout_batch_stride + c * dout_c_stride);
+                __syncwarp();  // the stage's last readers are done
+                #pragma unroll
+                for (int v = lane; v < 32 * NV; v += 32) {
+                    cp_async<16>(sx + HV + v, xr + v, 16);
+                    cp_async<16>(sd + v, dr + v, 16);
+                }
+                cp_async_commit();
+                return;
+            }
             const int64 start = sc * span;
             const int n = (int)min(seqlen - start, (int64)span);  // the chunk's positions in the row
             const T* const xr = x + sb * x_batch_stride + c * x_c_stride;

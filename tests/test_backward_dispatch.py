@@ -216,6 +216,22 @@ def test_vector_flags(launches):
     assert (params["x_aligned"], params["dout_aligned"], params["dx_aligned"]) == (1, 0, 0)
 
 
+@pytest.mark.parametrize(
+    "dtype,seqlen,dout_offset,whole",
+    [(np.float16, 256, 0, 1), (np.float16, 512, 0, 1), (np.float16, 1024, 0, 1),
+     (np.float16, 2048, 0, 1), (np.float32, 1024, 0, 1), (np.float16, 500, 0, 0),
+     (np.float16, 4096, 0, 0), (np.float16, 512, 1, 0)],
+)  # fmt: skip
+def test_whole_rows_flag(launches, dtype, seqlen, dout_offset, whole):
+    """bwd_time stages a chunk as its row's vectors alone when every row is exactly one chunk
+    and x and dout are aligned."""
+    x = cf(2, 64, seqlen, dtype)
+    dout = FakeCudaArray((2, 64, seqlen), dtype=dtype, offset=dout_offset)
+    call(x, 4, dout=dout)
+    name, _, params = launches["launches"][0]
+    assert name == "bwd_time" and params["whole_rows"] == whole
+
+
 def test_zero_stride_dout(launches):
     """An expanded dout (stride 0) is read element by element."""
     x = cl(2, 64, 100)

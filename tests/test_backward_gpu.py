@@ -439,6 +439,26 @@ def test_time_runs_features(time_runs, features, width, seqlen):
     run_bwd(6, 9, seqlen, width, "float32", seed=width, **features_of(features))
 
 
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+@pytest.mark.parametrize("width", (1, 4, 16))
+@pytest.mark.parametrize("features", ["seq-padding-init-dfinal", "nobias-nosilu"])
+@pytest.mark.parametrize(
+    "dtype,seqlen",
+    [("bfloat16", 256), ("bfloat16", 512), ("bfloat16", 1024), ("bfloat16", 2048),
+     ("float32", 128), ("float32", 1024)],
+)  # fmt: skip
+def test_time_whole_rows(time_runs, layout, width, features, dtype, seqlen):
+    """Rows of exactly one chunk of each chunk shape, staged as their vectors alone (x's halo
+    before the row zero for the whole launch, or initial_states), runs across batch rows;
+    misaligned rows take the checked staging."""
+    run_bwd(5, 7, seqlen, width, dtype, layout=layout, seed=width, **features_of(features))
+    from cupyconv import _backward_plan
+
+    (plan,) = _backward_plan._plans.values()
+    f = dict(zip(_backward_plan.TIME.plan_fields, plan.launches[0].plan_fields, strict=True))
+    assert f["whole_rows"] == (layout != "misaligned")
+
+
 def test_time_runs_repeatable(time_runs):
     import torch
 
