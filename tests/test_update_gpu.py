@@ -408,23 +408,26 @@ def test_update_cuda_graph(mode):
         assert np.array_equal(to_numpy(state), s64), f"state step {step}"
 
 
-def test_backward_cuda_graph():
+@pytest.mark.parametrize("layout,shape", [("cl", (2, 64, 300)), ("cf", (4, 64, 2048))])
+def test_backward_cuda_graph(layout, shape):
+    """Captured and replayed with new inputs: bwd_channel (channel-last) and bwd_time's runs of
+    whole rows (channel-first), each with bwd_reduce."""
     import torch
 
     rng = np.random.default_rng(21)
-    shape, width = (2, 64, 300), 4
+    width = 4
     x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
     w64 = rounded(rng, (64, width), "bfloat16")
     b64 = rounded(rng, (64,), "bfloat16")
-    x, dout = to_gpu(x64, "bfloat16", "cl"), to_gpu(g64, "bfloat16", "cl")
+    x, dout = to_gpu(x64, "bfloat16", layout), to_gpu(g64, "bfloat16", layout)
     w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
     cupyconv.warmup(cupyconv.causal_conv1d_bwd, x, w, b, dout, activation="silu")
     graph, (dx, dw, db, _) = _capture(
         lambda: cupyconv.causal_conv1d_bwd(x, w, b, dout, activation="silu")
     )
     x64, g64 = rounded(rng, shape, "bfloat16"), rounded(rng, shape, "bfloat16")
-    x.copy_(to_gpu(x64, "bfloat16", "cl"))
-    dout.copy_(to_gpu(g64, "bfloat16", "cl"))
+    x.copy_(to_gpu(x64, "bfloat16", layout))
+    dout.copy_(to_gpu(g64, "bfloat16", layout))
     graph.replay()
     torch.cuda.synchronize()
     rdx, rdw, rdb, _ = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation="silu")
