@@ -52,8 +52,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
     Raw* ds = xs + XV;
     Raw* other = stage_mem[threadIdx.x / 32][BUFS - 1];  // the next chunk's (BUFS = 2)
     constexpr bool ahead = BUFS == 2;  // copies a chunk ahead
-    if (whole_rows) {  // x's halo before the row: zeros, never copied over (the halos after it go unread)
-        for (int v = lane; v < BUFS * HV; v += 32) stage_mem[threadIdx.x / 32][v / max(HV, 1)][v % max(HV, 1)] = Raw{};
+    // Whole rows: x's halo before the row is zeros, never copied over (the halos after it go unread).
+    if (whole_rows && lane < HV) {
+        #pragma unroll
+        for (int k = 0; k < BUFS; ++k) stage_mem[threadIdx.x / 32][k][lane] = Raw{};
     }
 
     const int64 n_runs = dim * runs;
