@@ -46,8 +46,8 @@ CONSTANTS = {
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
     "BWD_MMA_WARPS": 2,  # bwd_mma: warps per block (independent)
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
-    "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d held over a channel's items
-    "BWD_MMA_PASS_LAGS": 2,  # bwd_mma: block lags a pass computes, for more lags
+    "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d a warp holds (its k-steps)
+    "BWD_MMA_BLOCK_WARPS": 4,  # bwd_mma_block: warps a block, a span each, sharing a channel
     "WIDE_THREADS": 256,  # bwd_wide: threads a block, 16 a channel
     "WIDE_CHANNELS": 16,  # bwd_wide: channels a block
     "WIDE_BLOCKS": 2,  # bwd_wide: blocks an SM its register budget is set for (float64: 1)
@@ -70,6 +70,9 @@ CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
+# bwd_mma_block (a block's warps share a channel and split dweight's lags) from this many k-steps
+# on, for spans of up to MMA_BLOCK_SPAN positions a warp.
+MMA_BLOCK_STEPS, MMA_BLOCK_SPAN = 6, 512
 # bwd_time's chunks: (16-byte vectors a lane, warps a block, staging areas a warp) for rows of
 # up to so many bytes (a row in one chunk), and TIME_LONG_CHUNK for longer rows. With two
 # staging areas a run's next chunk is copied while one is computed; on the shortest rows the
@@ -133,7 +136,14 @@ MMA = Kernel(
     "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
     (
         "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "warp_bytes",
-        "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "cd_at", "stage_at",
+        "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "stage_at",
+    ),
+)  # fmt: skip
+MMA_BLOCK = Kernel(
+    "bwd_mma_block", "bwd_mma.cu", "BwdMmaBlockParams",
+    (
+        "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "x1_at", "dout0_at",
+        "dout1_at", "dzl0_at", "dzl1_at", "frag_at", "pad_at", "scratch_at", "flags_at",
     ),
 )  # fmt: skip
 WIDE = Kernel(
@@ -145,7 +155,7 @@ WIDE = Kernel(
 )  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
-KERNELS = (TIME, CHANNEL, MMA, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (TIME, CHANNEL, MMA, MMA_BLOCK, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -187,7 +197,10 @@ def _channel_name(dtype: str, width: int, seq: bool) -> str:
 
 
 def _mma_name(width: int, channel_last: bool = False) -> str:
-    return f"bwd_mma<{C_TYPES['bfloat16']}, {mma_steps(width)}, {int(channel_last)}>"
+    steps = mma_steps(width)
+    if not channel_last and steps >= MMA_BLOCK_STEPS:
+        return f"bwd_mma_block<{C_TYPES['bfloat16']}, {steps}>"
+    return f"bwd_mma<{C_TYPES['bfloat16']}, {steps}, {int(channel_last)}>"
 
 
 def _time_rows(x: Array) -> bool:
@@ -197,8 +210,9 @@ def _time_rows(x: Array) -> bool:
 
 
 def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
-    """Whether bwd_mma serves the call: bfloat16 x and weights, time-contiguous x (or rows of
-    one step), no seq_idx, width MMA_MIN_WIDTH or more."""
+    """Whether bwd_mma (or bwd_mma_block, from MMA_BLOCK_STEPS k-steps) serves the call:
+    bfloat16 x and weights, time-contiguous x (or rows of one step), no seq_idx, width
+    MMA_MIN_WIDTH or more."""
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
         and width >= MMA_MIN_WIDTH and _time_rows(x)
@@ -271,6 +285,8 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     x_c = x.strides[1]
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
+        if mma_steps(width) >= MMA_BLOCK_STEPS:
+            return _plan_mma_block(x, dout, dx, width, states, device)
         return _plan_mma(x, dout, dx, width, states, device)
     if takes_mma_cl(x, dout, dx, weight_dtype, width, has_seq):
         plan = _plan_mma_cl(x, width, states, device)
@@ -337,9 +353,7 @@ def _mma_layout(span: int, steps: int) -> dict:
     of dz past the span (a run's first item computes them, in buffer 0): buffer 0, x (D + span +
     128 TB inputs) then dout (span + 128 TB; dz's high half in its place); buffer 1, x (D +
     span) then dout (span + D); dz's low half, span + 128 TB; the fragments of z and dx, 512
-    bytes a k-step each; the padded taps, forward and reversed, 2 D + 32 floats each; for more
-    than BWD_MMA_LAGS lags the C_d of every lag, 256 floats each, summed over a channel's items
-    (fewer are held in registers, and summed up through a buffer)."""
+    bytes a k-step each; the padded taps, forward and reversed, 2 D + 32 floats each."""
     d = 16 * (steps - 1)
     dz_len = span + 128 * -(-d // 128)
     dout_at = 2 * (d + dz_len)
@@ -348,12 +362,10 @@ def _mma_layout(span: int, steps: int) -> dict:
     dzl_at = dout1_at + 2 * (span + d)
     frag_at = dzl_at + 2 * dz_len
     pad_at = frag_at + 2 * steps * 512
-    cd_at = pad_at + 2 * (2 * d + 32) * 4
-    passes = steps > CONSTANTS["BWD_MMA_LAGS"]
     return dict(
-        warp_bytes=cd_at + (steps * 256 * 4 if passes else 0),
+        warp_bytes=pad_at + 2 * (2 * d + 32) * 4,
         dout_at=dout_at, x1_at=x1_at, dout1_at=dout1_at, dzl_at=dzl_at, frag_at=frag_at,
-        pad_at=pad_at, cd_at=cd_at,
+        pad_at=pad_at,
     )  # fmt: skip
 
 
@@ -390,6 +402,66 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
         stage_at=0,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _mma_block_layout(span: int, steps: int) -> tuple[dict, int]:
+    """A bwd_mma_block block's shared memory for spans of ``span`` positions a warp (BS =
+    BWD_MMA_BLOCK_WARPS spans a block): byte offsets of its areas, and its total bytes. With D =
+    16 (steps - 1) and TB = ceil(D / 128): buffer 0, x (D + BS + 128 TB), buffer 1, x (D + BS);
+    dout (then dz's high half) and dz's low half, BS + 128 TB in buffer 0 and BS + D in buffer
+    1; the fragments of z and dx, 512 bytes a k-step each; the padded taps, forward and
+    reversed, 2 D + 32 floats each; a warp's scratch of max(256, 32 (N + 1)) floats (N = (D +
+    32) / 32: a lag's C_d, or its dweight and dbias sums); an int a warp."""
+    warps = CONSTANTS["BWD_MMA_BLOCK_WARPS"]
+    d, bs = 16 * (steps - 1), warps * span
+    more = 128 * -(-d // 128)
+    scratch = max(256, 32 * ((d + 32) // 32 + 1))
+    areas = (
+        ("x1_at", 2 * (d + bs + more)), ("dout0_at", 2 * (d + bs)), ("dout1_at", 2 * (bs + more)),
+        ("dzl0_at", 2 * (bs + d)), ("dzl1_at", 2 * (bs + more)), ("frag_at", 2 * (bs + d)),
+        ("pad_at", 2 * steps * 512), ("scratch_at", 2 * (2 * d + 32) * 4),
+        ("flags_at", warps * scratch * 4), (None, 4 * warps),
+    )  # fmt: skip
+    layout, at = {}, 0
+    for name, size_before in areas:  # each area follows the one before it
+        at += size_before
+        if name:
+            layout[name] = at
+    return layout, at
+
+
+def _plan_mma_block(x, dout, dx, width, states, device) -> BackwardPlan:
+    """A persistent grid of bwd_mma_block blocks, each a run of items (BWD_MMA_BLOCK_WARPS spans
+    of a row, channel-major). Spans start at MMA_BLOCK_SPAN (or the row's share of a block,
+    rounded up to 256) and halve, down to 256, while a block would not fit the device or the
+    items would not fill it twice over."""
+    batch, dim, seqlen = x.shape
+    steps, warps = mma_steps(width), CONSTANTS["BWD_MMA_BLOCK_WARPS"]
+    name = _mma_name(width)
+
+    def items(span):
+        return dim * batch * -(-seqlen // (warps * span))
+
+    def smem_of(span):
+        return _mma_block_layout(span, steps)[1]
+
+    span = min(MMA_BLOCK_SPAN, -(-seqlen // (256 * warps)) * 256)
+    limit = shared_memory_limit(device)
+    while span > 256 and smem_of(span) > limit:
+        span = max(256, span // 512 * 256)
+    resident = resident_blocks(device, MMA_BLOCK.source, name, 32 * warps, smem_of(span))
+    while span > 256 and items(span) < 2 * resident:
+        span = max(256, span // 512 * 256)
+    layout, smem = _mma_block_layout(span, steps)
+    resident = resident_blocks(device, MMA_BLOCK.source, name, 32 * warps, smem)
+    grid = min(resident, items(span), MAX_GRID)
+    per = -(-items(span) // grid)
+    launch = MMA_BLOCK.launch(
+        name, grid, (32 * warps, 1), smem, x_aligned=rows_aligned(x, 2),
+        dout_aligned=rows_aligned(dout, 2), dx_aligned=rows_aligned(dx, 2, 4), span=span,
+        per=per, **layout,
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * -(-seqlen // (warps * span)), None)
 
 
 def _mma_cl_layout(span: int, steps: int) -> tuple[dict, int]:

@@ -1,7 +1,7 @@
 // bwd_mma.cu: the backward for bfloat16 x and weights on tensor cores.
 //
 //   bwd_mma<T, KS, CL>
-//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), no seq_idx.
+//       T = bfloat16; widths K with K - 1 <= D = 16 (KS - 1), KS <= BWD_MMA_LAGS, no seq_idx.
 //       CL = 0, time-contiguous x: a persistent grid of blocks of BWD_MMA_WARPS independent
 //       warps; warp w takes a run of p.per items (spans of p.span positions of a row, a
 //       multiple of 256) in channel-major order, the spans of a row last to first, and stages
@@ -14,7 +14,17 @@
 //       runs, cp.async into p.stage_at) while it computes the item before, moves them into the
 //       warps' rows (each warp then computes its channel's row as above), and writes dx back
 //       from the warps' rows as 16-byte runs of 8 channels.
-//
+//   bwd_mma_block<T, KS>
+//       T = bfloat16, time-contiguous x, any KS (widths up to 256), no seq_idx: a persistent
+//       grid of blocks of W = BWD_MMA_BLOCK_WARPS warps that share a channel. A block's item is
+//       W consecutive spans of a row (warp w the w-th), staged by the whole block into one
+//       buffer (the x before a span is the span before's end: one halo a block), with the
+//       channel's fragments built once for the block. Steps 1 and 2 below are each warp's on
+//       its span (the dz past a span is the next warp's, in the same buffer); in step 3 warp w
+//       sums Q = KS / W lags of its own, d = w, w + W, ..., over all W spans, and the last
+//       KS % W lags over its own span, held in registers over the channel's items: no warp
+//       holds more than Q + W - 1 lags however wide the filter, and each does KS lags' work.
+
 // An item, positions t0 .. t0 + S - 1 of row (b, c), in the warp's shared memory (the plan's
 // _mma_layout):
 //  1. z at the span's positions as fwd_mma computes outputs: for 16 consecutive outputs, the
@@ -29,8 +39,7 @@
 //     the taps reversed and the band starting at the output, on hi and on lo.
 //  3. dweight: for block lags d < KS, C_d[a][e] = sum_i x[t0 + 16 (i - d) + a] dz[t0 + 16 i + e]
 //     over the span's 16-position blocks i: MMAs of the staged rows read by ldmatrix.trans,
-//     16 blocks at a time, summed over a channel's items (in registers up to BWD_MMA_LAGS
-//     lags, else in shared memory, BWD_MMA_PASS_LAGS lags computed at a time). Every product
+//     16 blocks at a time, summed in registers over a channel's items. Every product
 //     in C_d[a][e] has the lag 16 d + e - a, the tap k = K - 1 - 16 d - e + a, so at the
 //     channel's last item in the run dweight[k] is summed along the diagonals of the C_d, in a
 //     fixed order; dbias is the sum of dz. Both are written as the part (b, span) of that item
@@ -77,13 +86,15 @@ __device__ __forceinline__ unsigned ld_shared32(unsigned at) {
 }
 
 // The A fragments of a banded Toeplitz matrix whose band starts `shift` inputs into the window
-// (fragment_offset), lane l's four words of k-step s at frag[32 s + l].
+// (fragment_offset), lane l's four words of k-step s at frag[32 s + l]: k-steps first, first +
+// step, ... (a block's warps share the work).
 template <int KS>
-__device__ __forceinline__ void build_fragments(const float* pad, int shift, uint4* frag) {
+__device__ __forceinline__ void build_fragments(const float* pad, int shift, uint4* frag, int first = 0, int step = 1) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const float* wl = pad + ToeplitzTaps<KS>::PAD + 4 * tg - 2 * g - shift;
     #pragma unroll
     for (int s = 0; s < KS; ++s) {
+        if (s % step != first) continue;
         unsigned a[4];
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -112,15 +123,125 @@ __device__ __forceinline__ void toeplitz(float (&acc)[J][4], const uint4* frag, 
     }
 }
 
+// toeplitz over two windows (dz's high and low halves) with the same fragments, each loaded once.
+template <int KS, int J>
+__device__ __forceinline__ void toeplitz2(float (&acc)[J][4], float (&acc_lo)[J][4], const uint4* frag, const bf16* win,
+                                          const bf16* win_lo) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const uint2* in = reinterpret_cast<const uint2*>(win) + 4 * g + tg;
+    const uint2* in_lo = reinterpret_cast<const uint2*>(win_lo) + 4 * g + tg;
+    #pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const uint4 f = frag[32 * ks + lane];
+        const unsigned a[4] = {f.x, f.y, f.z, f.w};
+        #pragma unroll
+        for (int j = 0; j < J; ++j) {
+            const uint2 bw = in[32 * j + 4 * ks], bl = in_lo[32 * j + 4 * ks];
+            MmaOp<bf16>::run(acc[j], a, bw.x, bw.y);
+            MmaOp<bf16>::run(acc_lo[j], a, bl.x, bl.y);
+        }
+    }
+}
+
 // dz at position p of the item (hi + lo).
 __device__ __forceinline__ float dz_of(const bf16* dzh, const bf16* dzl, int p) {
     return __bfloat162float(dzh[p]) + __bfloat162float(dzl[p]);
 }
 
-// How many block lags bwd_mma's C_d accumulators hold: all KS of them up to BWD_MMA_LAGS (kept in
-// registers over the items of a channel), else BWD_MMA_PASS_LAGS a pass (then added to the sums
-// in shared memory).
-__host__ __device__ constexpr int mma_lags(int KS) { return KS <= BWD_MMA_LAGS ? KS : BWD_MMA_PASS_LAGS; }
+// Step 1 for J blocks of 128 positions from block blk of a span: z from the tensor cores (x's
+// window at xs, from D before the span), dz = dout silu'(z) (dout staged at dzh) split into
+// its high half (over dout) and low half (dzl); dz's sums into item_db (SPAN: the span's
+// dbias terms) or past (the dz past the span; without SILU z's sum too: a non-finite z means a
+// non-finite x, weight or bias). Either sum is non-finite when a dz is (or a finite dz
+// bfloat16 cannot hold: its sum overflows too).
+template <int KS, int J, bool SILU, bool SPAN>
+__device__ __forceinline__ void dz_blocks(int blk, const uint4* zf, const bf16* xs, bf16* dzh, bf16* dzl, float bias_c,
+                                          float& item_db, float& past) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    float acc[J][4];
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) acc[j][r] = bias_c;
+    }
+    toeplitz<KS, J>(acc, zf, xs + 128 * blk);
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        if constexpr (!SILU) past += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);  // z
+        // c0, c2: positions q, q + 1 (q = p0 + 16 h: c1, c3 for h = 1)
+        const int p0 = 128 * (blk + j) + 32 * tg + 2 * g;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = p0 + 16 * h;
+            const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
+            float g0 = low_half(d2), g1 = high_half(d2);
+            if constexpr (SILU) {
+                g0 *= silu_grad(acc[j][h]);
+                g1 *= silu_grad(acc[j][2 + h]);
+            }
+            if constexpr (SPAN) item_db += g0 + g1;
+            else past += g0 + g1;
+            const unsigned hi = bf16x2_bits(g0, g1);
+            reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
+            reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
+        }
+    }
+}
+
+// Step 1 over a span of S positions and, when `tail`, the TB blocks of 128 past it.
+template <int KS>
+__device__ __forceinline__ void span_dz(int S, bool tail, bool silu, const uint4* zf, const bf16* xs, bf16* dzh,
+                                        bf16* dzl, float bias_c, float& item_db, float& past) {
+    constexpr int TB = (ToeplitzTaps<KS>::D + 127) / 128;
+    auto all = [&](auto silu_flag) {
+        constexpr bool SILU = decltype(silu_flag)::value;
+        #pragma unroll 1
+        for (int blk = 0; blk < S / 128; blk += 2)
+            dz_blocks<KS, 2, SILU, true>(blk, zf, xs, dzh, dzl, bias_c, item_db, past);
+        if (tail) {
+            #pragma unroll 1
+            for (int blk = S / 128; blk < S / 128 + TB; ++blk)
+                dz_blocks<KS, 1, SILU, false>(blk, zf, xs, dzh, dzl, bias_c, item_db, past);
+        }
+    };
+    if (silu) all(Flag<true>());
+    else all(Flag<false>());
+}
+
+// Step 2: dx at the span's positions 0 .. n_out - 1 from the dz window at dzh, dzl (hi and lo,
+// the span and D past it): pairs of positions, stored whole (WHOLE: n_out = S, dxr's rows
+// contiguous and 4-byte aligned) or one by one, dx_step apart.
+template <int KS>
+__device__ __forceinline__ void span_dx(int S, int n_out, bool whole, const uint4* xf, const bf16* dzh, const bf16* dzl,
+                                        bf16* dxr, int64 dx_step) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    auto blocks = [&](auto whole_flag) {
+        constexpr bool WHOLE = decltype(whole_flag)::value;
+        const int lane_at = 32 * tg + 2 * g;  // + 128 block + 16 h
+        unsigned* const pairs = reinterpret_cast<unsigned*>(dxr + lane_at);
+        #pragma unroll 1
+        for (int blk = 0; blk < S / 128; blk += 2) {
+            float acc[2][4] = {}, acc_lo[2][4] = {};  // two chains a block: hi and lo
+            toeplitz2<KS, 2>(acc, acc_lo, xf, dzh + 128 * blk, dzl + 128 * blk);
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float a0 = acc[j][h] + acc_lo[j][h], a1 = acc[j][2 + h] + acc_lo[j][2 + h];
+                    if constexpr (WHOLE) {
+                        pairs[64 * (blk + j) + 8 * h] = bf16x2_bits(a0, a1);
+                    } else {
+                        const int q = 128 * (blk + j) + lane_at + 16 * h;
+                        if (q < n_out) dxr[q * dx_step] = __float2bfloat16_rn(a0);
+                        if (q + 1 < n_out) dxr[(q + 1) * dx_step] = __float2bfloat16_rn(a1);
+                    }
+                }
+            }
+        }
+    };
+    if (whole) blocks(Flag<true>());
+    else blocks(Flag<false>());
+}
 
 // This lane's entries of one lag's C_d (256 floats, cd[16 a + e]): accumulator half h holds
 // c0 (a = g, e = 8 h + 2 tg), c1 (g, e + 1), c2 (g + 8, e), c3 (g + 8, e + 1), as two float2
@@ -140,17 +261,6 @@ __device__ __forceinline__ void dump_lag(float* cd, const float (&acc)[2][4]) {
     }
 }
 
-// Adds a lag's C_d accumulators to cd (each lane to its own entries).
-__device__ __forceinline__ void add_lag(float* cd, const float (&acc)[2][4]) {
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float2* const at = lane_entry(cd, h);
-        const float2 a = at[0], b = at[64];
-        at[0] = make_float2(a.x + acc[h][0], a.y + acc[h][1]);
-        at[64] = make_float2(b.x + acc[h][2], b.y + acc[h][3]);
-    }
-}
-
 // Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
 // dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
 template <int KS>
@@ -167,9 +277,30 @@ __device__ __forceinline__ void add_diagonals(const float* cd, int d, int width,
     }
 }
 
-// cacc[l] += C_{d0 + l} over positions 0 .. S - 1 (16 blocks of 16 an MMA step; x at xs, from D
-// before position 0; dz's halves at dzh, dzl).
-template <int KS, int LP>
+// Adds the LP lags' C_d (lags d0, d0 + STEP, ...; those below KS) to dw through cd (a warp's 256
+// floats, written and read by the whole warp), and zeroes them.
+template <int KS, int LP, int STEP>
+__device__ __forceinline__ void flush_lags(float (&cacc)[LP][2][4], int d0, float* cd, int width,
+                                           float (&dw)[ToeplitzTaps<KS>::N]) {
+    #pragma unroll
+    for (int l = 0; l < LP; ++l) {
+        if (d0 + STEP * l < KS) {
+            __syncwarp();
+            dump_lag(cd, cacc[l]);
+            __syncwarp();
+            add_diagonals<KS>(cd, d0 + STEP * l, width, dw);
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) cacc[l][h][r] = 0.f;
+    }
+    __syncwarp();
+}
+
+// Step 3: cacc[l] += C_{d0 + STEP l} over positions 0 .. S - 1 (16 blocks of 16 an MMA step; x at
+// xs, from D before position 0; dz's halves at dzh, dzl), for the lags below KS.
+template <int KS, int LP, int STEP>
 __device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, int S, const bf16* xs, const bf16* dzh,
                                              const bf16* dzl) {
     constexpr int D = ToeplitzTaps<KS>::D;
@@ -182,9 +313,9 @@ __device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, in
         ldmatrix_x4_trans(bl, dzl + q0 + row_at);
         #pragma unroll
         for (int l = 0; l < LP; ++l) {
-            if (d0 + l < KS) {
+            if (d0 + STEP * l < KS) {
                 unsigned a[4];
-                ldmatrix_x4_trans(a, xs + D + q0 - 16 * (d0 + l) + row_at);
+                ldmatrix_x4_trans(a, xs + D + q0 - 16 * (d0 + STEP * l) + row_at);
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     MmaOp<bf16>::run(cacc[l][h], a, bh[h], bh[2 + h]);
@@ -195,16 +326,83 @@ __device__ __forceinline__ void lag_products(float (&cacc)[LP][2][4], int d0, in
     }
 }
 
-// The exact path of an item whose dz window has a non-finite value: z again from its own taps
-// wherever dz (hi or lo) is not finite among the n_fix positions this item computed (dout read
-// again from dr, the row at the span), dz stored back with lo = 0 where it is not finite; then dx (n_out positions, to dxr, dx_step apart) and the item's
-// dweight terms (added to dw: taps k = lane + 32 j) and dbias terms (added to db, this lane's
-// positions) from their own taps. Out of line: it is rarely called.
+// Stages time-contiguous rows for an item (channel c of batch row b): x at positions t0 - D ..
+// (x_rows of them) into xs and dout at t0 .. (dout_rows) into ds, by threads first, first +
+// step, ... of the caller's: whole 16-byte vectors by cp.async where the rows are aligned and
+// the item inside the row, else vector by vector (elements by input_at before the row, zeros
+// past it; dout zeros past the row). Commits the copies as one group.
+template <typename T, int D, typename P>
+__device__ __forceinline__ void stage_time_rows(T* xs, T* ds, const T* x, const void* initial_states, const T* dout,
+                                                const P& p, int64 b, int64 c, int64 t0, int x_rows, int dout_rows,
+                                                int first, int step) {
+    const int64 seqlen = p.seqlen;
+    const int width = (int)p.width;
+    const T* const xr = x + b * p.x_batch_stride + c * p.x_c_stride;
+    const T* const dr = dout + b * p.dout_batch_stride + c * p.dout_c_stride;
+    const int xv = x_rows / 8, dv = dout_rows / 8;
+    const bool x_aligned = p.x_aligned != 0, dout_aligned = p.dout_aligned != 0;
+    if (x_aligned && dout_aligned && t0 >= D && t0 + 8 * dv <= seqlen) {  // inside the row
+        const uint4* src = reinterpret_cast<const uint4*>(xr + t0 - D) + first;
+        unsigned dst = smem_address(xs) + 16 * first;
+        for (int v = first; v < xv; v += step, src += step, dst += 16 * step) cp_async_shared16(dst, src);
+        src = reinterpret_cast<const uint4*>(dr + t0) + first;
+        dst = smem_address(ds) + 16 * first;
+        for (int v = first; v < dv; v += step, src += step, dst += 16 * step) cp_async_shared16(dst, src);
+        cp_async_commit();
+        return;
+    }
+    for (int v = first; v < xv; v += step) {
+        const int64 pos = t0 - D + 8 * v;
+        if (x_aligned && pos >= 0 && pos + 8 <= seqlen) {
+            cp_async<16>(xs + 8 * v, xr + pos, 16);
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int64 s = pos + e;
+                xs[8 * v + e] = s >= seqlen || s < -(width - 1)
+                                    ? T()
+                                    : from_acc<T>(input_at<float>(x, initial_states, p, b, c, s));
+            }
+        }
+    }
+    for (int v = first; v < dv; v += step) {
+        const int64 pos = t0 + 8 * v;
+        if (dout_aligned && pos + 8 <= seqlen) {
+            cp_async<16>(ds + 8 * v, dr + pos, 16);
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) ds[8 * v + e] = pos + e < seqlen ? dr[(pos + e) * p.dout_l_stride] : T();
+        }
+    }
+    cp_async_commit();
+}
+
+// Items of a persistent grid: spans sp of rows (c, b), channel-major, the spans of a row last
+// to first, so that an item's dz past its span (the next span's first D) is the one before's
+// first D.
+struct Item {
+    int64 c, b, sp;
+    __device__ Item(int64 index, int64 batch, int64 spans) {
+        int64 cb, r;
+        divmod(index, spans, cb, r);
+        divmod(cb, batch, c, b);
+        sp = spans - 1 - r;
+    }
+    __device__ void next(int64 batch, int64 spans) {
+        if (sp > 0) { --sp; return; }
+        sp = spans - 1;
+        if (++b == batch) { b = 0; ++c; }
+    }
+};
+
+// The exact path of a span whose dz window has a non-finite value, in two parts.
+// fix_dz: z again from its own taps wherever dz (hi or lo) is not finite among the n_fix
+// positions the span's warp computed (dout read again from dr, the row at the span; x's window
+// at xs), dz stored back with lo = 0 where it is not finite.
 template <int KS, typename P>
-__device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
-                                           const float* rev, float bias_c, int n_fix, int n_out, bf16* dxr,
-                                           int64 dx_step, const P& p, float* dw, float& db) {
-    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
+__device__ __noinline__ void fix_dz(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
+                                    float bias_c, int n_fix, const P& p) {
+    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD;
     const int lane = threadIdx.x & 31, width = (int)p.width;
     for (int q = lane; q < n_fix; q += 32) {
         if (isfinite(__bfloat162float(dzh[q])) && isfinite(__bfloat162float(dzl[q]))) continue;
@@ -220,6 +418,15 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
         dzl[q] = __float2bfloat16_rn(isfinite(rest) ? rest : 0.f);
     }
     __syncwarp();
+}
+// exact_terms: the span's dx (n_out positions, to dxr, dx_step apart), dweight terms (added to
+// dw: taps k = lane + 32 j) and dbias terms (added to db, this lane's positions) from their own
+// taps.
+template <int KS, typename P>
+__device__ __noinline__ void exact_terms(const bf16* xs, const bf16* dzh, const bf16* dzl, const float* rev, int n_out,
+                                         bf16* dxr, int64 dx_step, const P& p, float* dw, float& db) {
+    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
+    const int lane = threadIdx.x & 31, width = (int)p.width;
     for (int o = lane; o < n_out; o += 32) {
         float a = 0.f;
         for (int j = 0; j < width; ++j) a += rev[PAD + j] * dz_of(dzh, dzl, o + j);
@@ -238,20 +445,34 @@ __device__ __noinline__ void bwd_mma_exact(const bf16* xs, const bf16* dr, bf16*
     __syncwarp();
 }
 
+// Loads channel c's taps into pad (from PAD on) and, reversed, into rev, by threads first,
+// first + step, ...; returns its bias.
+template <typename P>
+__device__ __forceinline__ float load_taps(const void* weight, const void* bias, const P& p, int64 c, int pad_at,
+                                           float* pad, float* rev, int first, int step) {
+    const int width = (int)p.width;
+    for (int k = first; k < width; k += step) {
+        const float w = load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride);
+        pad[pad_at + k] = w;
+        rev[pad_at + width - 1 - k] = w;
+    }
+    return bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+}
+
 template <typename T, int KS, int CL>
 __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARPS, 16 / (CL ? BWD_MMA_CL_WARPS : BWD_MMA_WARPS))
     bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
+    static_assert(KS <= BWD_MMA_LAGS, "bwd_mma holds every lag's C_d (bwd_mma_block takes more)");
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
-    constexpr int LP = mma_lags(KS), HOLD = KS <= BWD_MMA_LAGS;  // HOLD: C_d kept over items
     constexpr int TB = (D + 127) / 128;  // blocks of dz past the span a run's first item computes
     constexpr int CW = BWD_MMA_CL_WARPS, RUNS = CW / 8;  // CL: channels a block (one a warp), 16-byte runs a row
     static_assert(CW % 8 == 0, "channel-last rows are whole 16-byte runs of 8 channels");
     constexpr int ROWS = 32 * CW / RUNS;  // CL: rows the block's threads take at once
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
     const int width = (int)p.width, S = (int)p.span, DL = S + 128 * TB;
-    const bool x_aligned = p.x_aligned != 0, dout_aligned = p.dout_aligned != 0, dx_aligned = p.dx_aligned != 0;
-    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, warp = threadIdx.x >> 5;
+    const bool dx_aligned = p.dx_aligned != 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* const mine = smem_raw + warp * p.warp_bytes;
     // Buffer b: x at t0 - D .. and, right after it, dout at t0 .. (then dz's high half in its
@@ -263,36 +484,15 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
     uint4* const xf = zf + 32 * KS;                                 // 32 KS: dx's
     float* const pad = reinterpret_cast<float*>(mine + p.pad_at);  // SIZE: the taps, z's band
     float* const rev = pad + ToeplitzTaps<KS>::SIZE;                     // SIZE: reversed, dx's band
-    float* const cd = reinterpret_cast<float*>(mine + p.cd_at);    // KS x 256: the C_d (not HOLD)
     // CL: the block's staging area, D + DL rows of x then DL rows of dout, CW channels a row
     uint4* const stage_x = reinterpret_cast<uint4*>(smem_raw + p.stage_at);
     uint4* const stage_dout = stage_x + RUNS * (D + DL);
     for (int i = lane; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
-    if constexpr (!HOLD) {
-        for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
-    }
 
-    // Items: spans sp of rows (c, b), channel-major, the spans of a row last to first, so that
-    // an item's dz past its span (the next span's first D) is the one before's first D. CL: c
-    // is a group of CW channels, the warp's channel CW c + warp.
+    // Items (CL: c is a group of CW channels, the warp's channel CW c + warp).
     const int64 spans = (seqlen + S - 1) / S, n_items = (CL ? (dim + CW - 1) / CW : dim) * batch * spans;
     const int64 first = (CL ? (int64)blockIdx.x : grid_warp()) * p.per, end = min(first + p.per, n_items);
     if (first >= end) return;
-    struct Item {
-        int64 c, b, sp;
-        __device__ void next(int64 batch, int64 spans) {
-            if (sp > 0) { --sp; return; }
-            sp = spans - 1;
-            if (++b == batch) { b = 0; ++c; }
-        }
-    };
-    Item item;
-    {
-        int64 cb, r;
-        divmod(first, spans, cb, r);
-        divmod(cb, batch, item.c, item.b);
-        item.sp = spans - 1 - r;
-    }
     auto channel_of = [&](const Item& it) { return CL ? CW * it.c + warp : it.c; };
     // Stages item `it` into buffer `buf` (CL: into the block's staging area): x from D before
     // the span, dout from the span, each over the span and, when `tail`, TB more blocks.
@@ -335,45 +535,8 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             cp_async_commit();
             return;
         }
-        T* const xs = buf ? x1 : x0;
-        T* const ds = buf ? dout1 : dout0;
-        const T* const xr = x + it.b * p.x_batch_stride + it.c * p.x_c_stride;
-        const T* const dr = dout + it.b * p.dout_batch_stride + it.c * p.dout_c_stride;
-        const int xv = x_rows / 8, dv = dout_rows / 8;
-        if (x_aligned && dout_aligned && t0 >= D && t0 + 8 * dv <= seqlen) {  // inside the row
-            const uint4* src = reinterpret_cast<const uint4*>(xr + t0 - D) + lane;
-            unsigned dst = smem_address(xs) + 16 * lane;
-            for (int v = lane; v < xv; v += 32, src += 32, dst += 512) cp_async_shared16(dst, src);
-            src = reinterpret_cast<const uint4*>(dr + t0) + lane;
-            dst = smem_address(ds) + 16 * lane;
-            for (int v = lane; v < dv; v += 32, src += 32, dst += 512) cp_async_shared16(dst, src);
-            cp_async_commit();
-            return;
-        }
-        for (int v = lane; v < xv; v += 32) {
-            const int64 pos = t0 - D + 8 * v;
-            if (x_aligned && pos >= 0 && pos + 8 <= seqlen) {
-                cp_async<16>(xs + 8 * v, xr + pos, 16);
-            } else {
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int64 s = pos + e;
-                    xs[8 * v + e] = s >= seqlen || s < -(width - 1)
-                                        ? T()
-                                        : from_acc<T>(input_at<float>(x, initial_states, p, it.b, it.c, s));
-                }
-            }
-        }
-        for (int v = lane; v < dv; v += 32) {
-            const int64 pos = t0 + 8 * v;
-            if (dout_aligned && pos + 8 <= seqlen) {
-                cp_async<16>(ds + 8 * v, dr + pos, 16);
-            } else {
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) ds[8 * v + e] = pos + e < seqlen ? dr[(pos + e) * p.dout_l_stride] : T();
-            }
-        }
-        cp_async_commit();
+        stage_time_rows<T, D>(buf ? x1 : x0, buf ? dout1 : dout0, x, initial_states, dout, p, it.b, it.c, t0, x_rows,
+                              dout_rows, lane, 32);
     };
     // CL: the staged rows into buffer `buf` of the warps, x_rows of x and dout_rows of dout
     // (both even). Thread t: rows 2 j and 2 j + 1 of run h = t % RUNS (j = t / RUNS, + ROWS,
@@ -395,12 +558,12 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         rows(stage_dout, first_row + (unsigned)(buf ? p.dout1_at : p.dout_at), dout_rows);
     };
 
-    Item cur = item, nxt = item;
+    Item cur(first, batch, spans), nxt = cur;
     const bool first_tail = cur.sp < spans - 1;  // the run starts inside a row: its dz past the span
     stage(cur, 0, first_tail);
     int64 channel = -1;
     float bias_c = 0.f;
-    float cacc[LP][2][4] = {};
+    float cacc[KS][2][4] = {};
     float dw[N] = {}, db = 0.f;  // this lane's dweight (taps lane + 32 j) and dbias terms
     bool carried_nonfinite = false;
     for (int64 i = first; i < end; ++i) {
@@ -432,17 +595,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             if (c != channel) {  // the channel's taps and fragments
                 channel = c;
                 __syncwarp();
-                #pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    const int k = lane + 32 * j;
-                    if (k < width) {
-                        const float w = load_as<float>(weight, (int)p.weight_dtype,
-                                                       c * p.weight_c_stride + k * p.weight_width_stride);
-                        pad[PAD + k] = w;
-                        rev[PAD + width - 1 - k] = w;
-                    }
-                }
-                bias_c = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+                bias_c = load_taps(weight, bias, p, c, PAD, pad, rev, lane, 32);
                 __syncwarp();
                 build_fragments<KS>(pad, D - width + 1, zf);
                 build_fragments<KS>(rev, 0, xf);
@@ -452,110 +605,23 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             }
             __syncwarp();  // the item's stage, the fragments and the carried dz are in
 
-            // 1. dz at 0 .. S - 1 (and the TB blocks past the span for a run's first item): z
-            // from the tensor cores (also without the activation: a non-finite z means a
-            // non-finite x, weight or bias), dz = dout silu'(z) split into hi and lo (0 past the
-            // row, where dout is staged as 0), and the span's dbias terms.
-            bool nonfinite = carried_nonfinite;
-            // this lane's dbias terms of the span, and the sum of its dz past the span: either
-            // is non-finite when a dz is (or a finite dz bfloat16 cannot hold: its sum
-            // overflows too)
+            // 1. dz at 0 .. S - 1 (and the TB blocks past the span for a run's first item), and
+            // the span's dbias terms.
             float item_db = 0.f, past = 0.f;
-            auto dz_blocks = [&](int blk, auto j_count, auto silu_flag, auto span_flag) {
-                constexpr int J = decltype(j_count)::value;
-                constexpr bool SILU = decltype(silu_flag)::value, SPAN = decltype(span_flag)::value;
-                float acc[J][4];
-                #pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[j][r] = bias_c;
-                }
-                toeplitz<KS, J>(acc, zf, xs + 128 * blk);
-                #pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    if constexpr (!SILU) past += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);  // z
-                    // c0, c2: positions q, q + 1 (q = p0 + 16 h: c1, c3 for h = 1)
-                    const int p0 = 128 * (blk + j) + 32 * tg + 2 * g;
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int q = p0 + 16 * h;
-                        const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
-                        float g0 = low_half(d2), g1 = high_half(d2);
-                        if constexpr (SILU) {
-                            g0 *= silu_grad(acc[j][h]);
-                            g1 *= silu_grad(acc[j][2 + h]);
-                        }
-                        if constexpr (SPAN) item_db += g0 + g1;
-                        else past += g0 + g1;
-                        const unsigned hi = bf16x2_bits(g0, g1);
-                        reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
-                        reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
-                    }
-                }
-            };
-            auto all_dz = [&](auto silu_flag) {
-                #pragma unroll 1
-                for (int blk = 0; blk < S / 128; blk += 2) dz_blocks(blk, Count<2>(), silu_flag, Flag<true>());
-                if (tail) {
-                    #pragma unroll 1
-                    for (int blk = S / 128; blk < S / 128 + TB; ++blk) dz_blocks(blk, Count<1>(), silu_flag, Flag<false>());
-                }
-            };
-            if (p.silu_act) all_dz(Flag<true>());
-            else all_dz(Flag<false>());
-            nonfinite = __any_sync(0xffffffffu, nonfinite || !isfinite(item_db + past));
+            span_dz<KS>(S, tail, p.silu_act != 0, zf, xs, dzh, dzl, bias_c, item_db, past);
+            const bool nonfinite = __any_sync(0xffffffffu, carried_nonfinite || !isfinite(item_db + past));
             __syncwarp();
 
             if (nonfinite) {
-                const int n_fix = min(lim, tail ? DL : S);
                 const T* const dr = dout + cur.b * p.dout_batch_stride + c * p.dout_c_stride + t0 * p.dout_l_stride;
-                bwd_mma_exact<KS>(xs, dr, dzh, dzl, pad, rev, bias_c, n_fix, n_out, dxr, dx_step, p, dw, db);
+                fix_dz<KS>(xs, dr, dzh, dzl, pad, bias_c, min(lim, tail ? DL : S), p);
+                exact_terms<KS>(xs, dzh, dzl, rev, n_out, dxr, dx_step, p, dw, db);
             } else {
                 db += item_db;
-                // 2. dx at 0 .. n_out - 1: pairs of positions, stored whole where the span is in
-                // the row and dx's rows are aligned (CL: into the warp's row, always), else one
-                // by one.
-                auto dx_blocks = [&](auto whole_flag) {
-                    constexpr bool WHOLE = decltype(whole_flag)::value;
-                    const int lane_at = 32 * tg + 2 * g;  // + 128 block + 16 h
-                    unsigned* const pairs = reinterpret_cast<unsigned*>(dxr + lane_at);
-                    #pragma unroll 1
-                    for (int blk = 0; blk < S / 128; blk += 2) {
-                        float acc[2][4] = {}, acc_lo[2][4] = {};  // two chains a block: hi and lo
-                        toeplitz<KS, 2>(acc, xf, dzh + 128 * blk);
-                        toeplitz<KS, 2>(acc_lo, xf, dzl + 128 * blk);
-                        #pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            #pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const float a0 = acc[j][h] + acc_lo[j][h], a1 = acc[j][2 + h] + acc_lo[j][2 + h];
-                                if constexpr (WHOLE) {
-                                    pairs[64 * (blk + j) + 8 * h] = bf16x2_bits(a0, a1);
-                                } else {
-                                    const int q = 128 * (blk + j) + lane_at + 16 * h;
-                                    if (q < n_out) dxr[q * p.dx_l_stride] = from_acc<T>(a0);
-                                    if (q + 1 < n_out) dxr[(q + 1) * p.dx_l_stride] = from_acc<T>(a1);
-                                }
-                            }
-                        }
-                    }
-                };
-                if (CL || (dx_aligned && n_out == S)) dx_blocks(Flag<true>());
-                else dx_blocks(Flag<false>());
-                // 3. the dweight terms: the C_d over the span (kept over the channel's items,
-                // or a pass of LP lags at a time summed up now).
-                if constexpr (HOLD) {
-                    lag_products<KS, LP>(cacc, 0, S, xs, dzh, dzl);
-                } else {
-                    #pragma unroll 1
-                    for (int d0 = 0; d0 < KS; d0 += LP) {
-                        float pass[LP][2][4] = {};
-                        lag_products<KS, LP>(pass, d0, S, xs, dzh, dzl);
-                        #pragma unroll
-                        for (int l = 0; l < LP; ++l)
-                            if (d0 + l < KS) add_lag(cd + 256 * (d0 + l), pass[l]);
-                    }
-                }
+                // 2. dx at 0 .. n_out - 1 (CL: into the warp's row, always whole)
+                span_dx<KS>(S, n_out, CL || (dx_aligned && n_out == S), xf, dzh, dzl, dxr, dx_step);
+                // 3. the dweight terms: the C_d over the span, kept over the channel's items.
+                lag_products<KS, KS, 1>(cacc, 0, S, xs, dzh, dzl);
             }
             carried_nonfinite = nonfinite;
             __syncwarp();  // dz's readers are done
@@ -568,29 +634,10 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             }
             // The item's part of the partials: the channel's sums so far at its last item in the
             // run, zeros before (a call of a single part has one item a channel).
-            const bool flush = i + 1 == end || nxt.c != cur.c;
             const int64 part = cur.b * spans + cur.sp;
-            if (flush) {
-                if constexpr (!HOLD) {
-                    __syncwarp();
-                    #pragma unroll 1
-                    for (int d = 0; d < KS; ++d) add_diagonals<KS>(cd + 256 * d, d, width, dw);
-                    __syncwarp();
-                    for (int i = lane; i < 256 * KS; i += 32) cd[i] = 0.f;
-                } else {  // a lag at a time through the item's x buffer, done with now
-                    float* const lag_at = reinterpret_cast<float*>(buf ? x1 : x0);
-                    #pragma unroll
-                    for (int l = 0; l < LP; ++l) {
-                        dump_lag(lag_at, cacc[l]);
-                        __syncwarp();
-                        add_diagonals<KS>(lag_at, l, width, dw);
-                        __syncwarp();
-                        #pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            #pragma unroll
-                            for (int r = 0; r < 4; ++r) cacc[l][h][r] = 0.f;
-                    }
-                }
+            if (i + 1 == end || nxt.c != cur.c) {
+                // a lag at a time through the item's x buffer, done with now
+                flush_lags<KS, KS, 1>(cacc, 0, reinterpret_cast<float*>(buf ? x1 : x0), width, dw);
                 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
                 #pragma unroll
@@ -629,5 +676,163 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         }
         cur = nxt;
         __syncwarp();  // the buffer's readers are done before it is staged again
+    }
+}
+
+template <typename T, int KS>
+__global__ void __launch_bounds__(32 * BWD_MMA_BLOCK_WARPS, 16 / BWD_MMA_BLOCK_WARPS)
+    bwd_mma_block(BWD_ARRAYS, const __grid_constant__ BwdMmaBlockParams p) {
+    static_assert(same_type<T, bf16>, "bwd_mma_block takes bfloat16 x");
+    constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
+    // Lags: warp w sums Q of its own, w + W l, over the block's spans, and every warp the last R
+    // over its own span, so that each does KS lags' worth of a span.
+    constexpr int W = BWD_MMA_BLOCK_WARPS, Q = KS / W, R = KS % W;
+    constexpr int TB = (D + 127) / 128;  // blocks of dz past the block's span a run's first item computes
+    constexpr int SCRATCH = 32 * N + 32 > 256 ? 32 * N + 32 : 256;  // floats a warp: a C_d, or dw and db
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
+    const int width = (int)p.width, S = (int)p.span, BS = W * S;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ws = warp * S;  // the warp's span
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // Buffer b: x at t0 - D .. t0 + BS (buffer 0: and TB blocks more), dout at t0 .. (then dz's
+    // high half in its place) and dz's low half, each BS + D long (buffer 0: BS + 128 TB).
+    auto xb = [&](int b) { return reinterpret_cast<T*>(smem_raw + (b ? p.x1_at : 0)); };
+    auto dzhb = [&](int b) { return reinterpret_cast<T*>(smem_raw + (b ? p.dout1_at : p.dout0_at)); };
+    auto dzlb = [&](int b) { return reinterpret_cast<T*>(smem_raw + (b ? p.dzl1_at : p.dzl0_at)); };
+    uint4* const zf = reinterpret_cast<uint4*>(smem_raw + p.frag_at);  // 32 KS: z's fragments
+    uint4* const xf = zf + 32 * KS;                                      // 32 KS: dx's
+    float* const pad = reinterpret_cast<float*>(smem_raw + p.pad_at);   // SIZE: the taps, z's band
+    float* const rev = pad + ToeplitzTaps<KS>::SIZE;                    // SIZE: reversed, dx's band
+    float* const sums = reinterpret_cast<float*>(smem_raw + p.scratch_at);  // W x SCRATCH
+    int* const flags = reinterpret_cast<int*>(smem_raw + p.flags_at);           // W: span's dz not finite
+    for (int i = threadIdx.x; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32 * W) pad[i] = 0.f;
+
+    // Items: block spans sp (BS positions) of rows (c, b).
+    const int64 spans = (seqlen + BS - 1) / BS, n_items = dim * batch * spans;
+    const int64 first = (int64)blockIdx.x * p.per, end = min(first + p.per, n_items);
+    if (first >= end) return;
+    auto stage = [&](const Item& it, int buf, bool tail) {
+        const int more = tail ? 128 * TB : 0;
+        stage_time_rows<T, D>(xb(buf), dzhb(buf), x, initial_states, dout, p, it.b, it.c, it.sp * BS, D + BS + more,
+                              BS + more, threadIdx.x, 32 * W);
+    };
+
+    Item cur(first, batch, spans), nxt = cur;
+    const bool first_tail = cur.sp < spans - 1;  // the run starts inside a row: its dz past the block's span
+    stage(cur, 0, first_tail);
+    int64 channel = -1;
+    float bias_c = 0.f;
+    float own[Q > 0 ? Q : 1][2][4] = {}, rest[R > 0 ? R : 1][2][4] = {};
+    float dw[N] = {}, db = 0.f;  // this lane's dweight (taps lane + 32 j) and dbias terms
+    bool carried_nonfinite = false;  // the dz past the block's span came from a span whose dz was not finite
+    for (int64 i = first; i < end; ++i) {
+        const int buf = (int)((i - first) & 1);
+        const bool tail = i == first && first_tail;
+        if (i + 1 < end) nxt.next(batch, spans);
+        cp_async_wait<0>();
+        __syncthreads();  // the item's rows are in; the item before is done with the other buffer
+        if (i + 1 < end) stage(nxt, buf ^ 1, false);
+        const int64 t0 = cur.sp * BS, tw = t0 + ws, c = cur.c;
+        const T* const xs = xb(buf);
+        T* const dzh = dzhb(buf);  // dout until step 1 turns it into dz's high half
+        T* const dzl = dzlb(buf);
+        if (c != channel) {  // the channel's taps and fragments
+            channel = c;
+            bias_c = load_taps(weight, bias, p, c, PAD, pad, rev, threadIdx.x, 32 * W);
+            __syncthreads();
+            build_fragments<KS>(pad, D - width + 1, zf, warp, W);
+            build_fragments<KS>(rev, 0, xf, warp, W);
+            __syncthreads();
+        }
+        if (cur.sp == spans - 1) {  // dz past the row: 0
+            for (int q = threadIdx.x; q < D; q += 32 * W) dzh[BS + q] = dzl[BS + q] = T();
+        }
+
+        // 1. dz over the warp's span (the last warp of a run's first item: and TB blocks past the
+        // block's span), its dbias terms and whether a dz is not finite.
+        const bool own_tail = tail && warp == W - 1;
+        float item_db = 0.f, past = 0.f;
+        if (tw < seqlen) {
+            span_dz<KS>(S, own_tail, p.silu_act != 0, zf, xs + ws, dzh + ws, dzl + ws, bias_c, item_db, past);
+        } else {  // a span past the row: dout is staged as 0, and so is dz
+            for (int q = lane; q < S / 2; q += 32) reinterpret_cast<unsigned*>(dzl + ws)[q] = 0u;
+        }
+        const bool nonfinite = __any_sync(0xffffffffu, !isfinite(item_db + past));
+        if (lane == 0) flags[warp] = nonfinite;
+        __syncthreads();  // the block's dz and flags are in
+        unsigned bad = 0;
+        #pragma unroll
+        for (int v = 0; v < W; ++v) bad |= (flags[v] != 0) << v;
+        // Spans whose dz window (the span and the D past it) has a non-finite value take the
+        // exact path: dz fixed where it is not finite (a barrier before anyone reads it), then
+        // dx, dweight and dbias from their own taps; step 3 leaves them out.
+        const bool last_bad = tail ? (bad >> (W - 1)) & 1 : carried_nonfinite;
+        const unsigned exact = bad | (bad >> 1) | (unsigned)last_bad << (W - 1);
+        if (bad) {
+            if ((bad >> warp) & 1) {
+                const int n_fix = (int)max((int64)0, min(seqlen - tw, (int64)(S + (own_tail ? 128 * TB : 0))));
+                const T* const dr = dout + cur.b * p.dout_batch_stride + c * p.dout_c_stride + tw * p.dout_l_stride;
+                fix_dz<KS>(xs + ws, dr, dzh + ws, dzl + ws, pad, bias_c, n_fix, p);
+            }
+            __syncthreads();
+        }
+        // dz at 0 .. D - 1 is the next item's dz past its block span when the next item is the
+        // block span before (its buffer holds dout at 0 .. BS - 1 only).
+        const bool carry = i + 1 < end && nxt.c == c && nxt.b == cur.b;
+        if (carry) {
+            for (int q = threadIdx.x; q < D; q += 32 * W) {
+                dzhb(buf ^ 1)[BS + q] = dzh[q];
+                dzlb(buf ^ 1)[BS + q] = dzl[q];
+            }
+        }
+        carried_nonfinite = carry && (bad & 1);
+
+        // 2. dx over the warp's span.
+        const int n_out = (int)max((int64)0, min(seqlen - tw, (int64)S));
+        T* const dxr = dx + cur.b * p.dx_batch_stride + c * p.dx_c_stride + tw * p.dx_l_stride;
+        if ((exact >> warp) & 1) {
+            exact_terms<KS>(xs + ws, dzh + ws, dzl + ws, rev, n_out, dxr, p.dx_l_stride, p, dw, db);
+        } else {
+            db += item_db;
+            if (n_out > 0)
+                span_dx<KS>(S, n_out, p.dx_aligned && n_out == S, xf, dzh + ws, dzl + ws, dxr, p.dx_l_stride);
+        }
+        // 3. the warp's own lags over the block's spans, the last R over its span (the spans in
+        // the row, off the exact path).
+        if constexpr (Q > 0) {
+            #pragma unroll 1
+            for (int v = 0; v < W; ++v) {
+                if (!((exact >> v) & 1) && t0 + v * S < seqlen)
+                    lag_products<KS, Q, W>(own, warp, S, xs + v * S, dzh + v * S, dzl + v * S);
+            }
+        }
+        if constexpr (R > 0) {
+            if (!((exact >> warp) & 1) && tw < seqlen) lag_products<KS, R, 1>(rest, Q * W, S, xs + ws, dzh + ws, dzl + ws);
+        }
+
+        // The item's part of the partials: the channel's sums so far at its last item in the
+        // run (the warps' sums added in warp order), zeros before.
+        const int64 part = cur.b * spans + cur.sp;
+        if (i + 1 == end || nxt.c != c) {
+            float* const mine = sums + warp * SCRATCH;
+            if constexpr (Q > 0) flush_lags<KS, Q, W>(own, warp, mine, width, dw);
+            if constexpr (R > 0) flush_lags<KS, R, 1>(rest, Q * W, mine, width, dw);
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+            #pragma unroll
+            for (int j = 0; j < N; ++j) mine[lane + 32 * j] = dw[j], dw[j] = 0.f;
+            if (lane == 0) mine[32 * N] = db;
+            db = 0.f;
+            __syncthreads();
+            for (int k = threadIdx.x; k <= width; k += 32 * W) {
+                const int at = k < width ? k : 32 * N;
+                float sum = 0.f;
+                #pragma unroll
+                for (int v = 0; v < W; ++v) sum += sums[v * SCRATCH + at];
+                write_sum(partials, dweight, dbias, p, part, c, k, sum);
+            }
+        } else {
+            for (int k = threadIdx.x; k <= width; k += 32 * W) partials[(part * dim + c) * (width + 1) + k] = 0.f;
+        }
+        cur = nxt;
     }
 }

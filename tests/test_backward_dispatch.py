@@ -278,44 +278,50 @@ def bf16_rows(b, c, length, strides=None, ptr=1 << 40):
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
 def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
     """Every width from MMA_MIN_WIDTH to 256 x short and long rows x aligned and misaligned x:
-    bwd_mma, its shared memory within the opt-in limit (the layout's areas in order, 16-byte
-    aligned), spans a multiple of 256, and runs that cover every item."""
+    bwd_mma below MMA_BLOCK_STEPS k-steps, bwd_mma_block from there, its shared memory within
+    the opt-in limit (the layout's areas in order, 16-byte aligned), spans a multiple of 256,
+    and runs that cover every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row)."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
+    block_warps = _backward_plan.CONSTANTS["BWD_MMA_BLOCK_WARPS"]
     for seqlen in (1, 300, 700, 5000):
         for ptr in (1 << 40, (1 << 40) + 2):
             for width in range(_backward_plan.MMA_MIN_WIDTH, 257):
                 x = bf16_rows(2, 40, seqlen, ptr=ptr)
                 plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
                 main, reduce_ = plan.launches
-                assert main.name.startswith("bwd_mma<__nv_bfloat16, ") and reduce_.name.startswith(
-                    "bwd_reduce"
-                )
-                f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
+                steps = _launch.mma_steps(width)
+                d = 16 * (steps - 1)
+                assert d >= width - 1
+                block = steps >= _backward_plan.MMA_BLOCK_STEPS
+                if block:
+                    assert main.name == f"bwd_mma_block<__nv_bfloat16, {steps}>"
+                    kernel, areas = _backward_plan.MMA_BLOCK, ("x1_at", "dout0_at", "dout1_at")
+                    areas += ("dzl0_at", "dzl1_at", "frag_at", "pad_at", "scratch_at", "flags_at")
+                else:
+                    assert main.name == f"bwd_mma<__nv_bfloat16, {steps}, 0>"
+                    kernel, areas = _backward_plan.MMA, ("dout_at", "x1_at", "dout1_at")
+                    areas += ("dzl_at", "frag_at", "pad_at")
+                assert reduce_.name.startswith("bwd_reduce")
+                f = dict(zip(kernel.plan_fields, main.plan_fields, strict=True))
                 where = f"L={seqlen} ptr%16={ptr % 16} width {width}: {f}"
-                d = 16 * (_launch.mma_steps(width) - 1)
-                assert d >= width - 1, where
                 warps = main.block[0] // 32
-                assert 1 <= warps <= _backward_plan.CONSTANTS["BWD_MMA_WARPS"], where
-                assert main.smem == warps * f["warp_bytes"] <= limit, where
-                areas = [
-                    f[k]
-                    for k in (
-                        "dout_at",
-                        "x1_at",
-                        "dout1_at",
-                        "dzl_at",
-                        "frag_at",
-                        "pad_at",
-                        "cd_at",
-                    )
-                ]
-                assert areas == sorted(areas) and all(a % 16 == 0 for a in areas), where
+                if block:
+                    assert warps == block_warps, where
+                    layout, smem = _backward_plan._mma_block_layout(f["span"], steps)
+                    assert main.smem == smem <= limit and layout["flags_at"] < smem, where
+                    units, rows_per_item = main.grid, block_warps * f["span"]
+                else:
+                    assert 1 <= warps <= _backward_plan.CONSTANTS["BWD_MMA_WARPS"], where
+                    assert main.smem == warps * f["warp_bytes"] <= limit, where
+                    units, rows_per_item = main.grid * warps, f["span"]
+                at = [f[k] for k in areas]
+                assert at == sorted(at) and all(a % 16 == 0 for a in at), where
                 assert f["span"] % 256 == 0, where
-                items = 40 * 2 * -(-seqlen // f["span"])
-                assert 1 <= main.grid and main.grid * warps * f["per"] >= items, where
-                assert plan.n_parts == 2 * -(-seqlen // f["span"]), where
+                items = 40 * 2 * -(-seqlen // rows_per_item)
+                assert 1 <= main.grid and units * f["per"] >= items, where
+                assert plan.n_parts == 2 * -(-seqlen // rows_per_item), where
                 assert f["x_aligned"] == (ptr % 16 == 0 and seqlen % 8 == 0), where
 
 

@@ -289,6 +289,42 @@ def test_tensor_core_repeatable(tensor_cores, layout, width):
         assert all(torch.equal(p, q) for p, q in zip(first, run()))
 
 
+@pytest.fixture
+def block_cores(monkeypatch):
+    """bwd_mma_block for every time-contiguous width bwd_mma takes, narrow ones included."""
+    yield from forced_route(monkeypatch, "bwd_mma_block", MMA_MIN_WIDTH=2, MMA_BLOCK_STEPS=2)
+
+
+@pytest.mark.parametrize("width", MMA_WIDTHS)
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "misaligned"))
+@pytest.mark.parametrize("seqlen", (1500, 5000))
+def test_block_tensor_core_widths(block_cores, width, layout, seqlen):
+    """A block's spans of a row (the last ones past its end), rows of one and of several block
+    spans, runs starting inside a row; rows staged by cp.async or element by element."""
+    run_bwd(2, 37, seqlen, width, "bfloat16", layout=layout, seed=width)
+
+
+@pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
+@pytest.mark.parametrize("width", (5, 64, 100, 256))
+def test_block_tensor_core_features(block_cores, features, width):
+    run_bwd(3, 20, 2600, width, "bfloat16", seed=width, **features_of(features))
+
+
+@pytest.mark.parametrize("seqlen", (1, 3, 255, 256, 257, 700, 1024, 1025, 2100, 4500))
+@pytest.mark.parametrize("width", (40, 200))
+def test_block_tensor_core_row_lengths(block_cores, seqlen, width):
+    """Rows shorter than the width, spans cut by the row's end, L < K - 1 with states, one
+    part (a channel an item) and several."""
+    run_bwd(2, 9, seqlen, width, "bfloat16", init=True, dfinal=True, seed=seqlen)
+    run_bwd(1, 7, seqlen, width, "bfloat16", init=True, seed=seqlen + 1)
+
+
+@pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
+@pytest.mark.parametrize("width", (8, 100, 256))
+def test_block_tensor_core_non_finite_values_reach_only_their_taps(block_cores, width, silu):
+    check_non_finite((2, 6, 5000), "bfloat16", "cf", width, silu)
+
+
 @pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
 @pytest.mark.parametrize("layout,width", [("cf", 8), ("cf", 33), ("cf", 256), ("cl", 33)])
 def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layout, width, silu):
