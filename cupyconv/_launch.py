@@ -312,7 +312,7 @@ def acc_bytes(itemsize: int) -> int:
 
 
 def mma_steps(width: int) -> int:
-    """KS of the tensor-core kernels (fwd_mma, bwd_mma; ``ToeplitzTaps`` in
+    """KS of the tensor-core kernels (fwd_mma, bwd_mma, bwd_mma_block; ``ToeplitzTaps`` in
     kernels/mma_common.cuh) for filters of ``width`` >= 2: k-steps of 16 window inputs, with
     D = 16 (KS - 1) >= width - 1 inputs before a block's first output."""
     return -(-(width - 1) // 16) + 1
