@@ -416,17 +416,18 @@ def _mma_block_layout(span: int, steps: int) -> tuple[dict, int]:
     d, bs = 16 * (steps - 1), warps * span
     more = 128 * -(-d // 128)
     scratch = max(256, 32 * ((d + 32) // 32 + 1))
-    areas = (
-        ("x1_at", 2 * (d + bs + more)), ("dout0_at", 2 * (d + bs)), ("dout1_at", 2 * (bs + more)),
-        ("dzl0_at", 2 * (bs + d)), ("dzl1_at", 2 * (bs + more)), ("frag_at", 2 * (bs + d)),
-        ("pad_at", 2 * steps * 512), ("scratch_at", 2 * (2 * d + 32) * 4),
-        ("flags_at", warps * scratch * 4), (None, 4 * warps),
+    areas = (  # (the field of its offset, bytes), in order; buffer 0's x at 0
+        (None, 2 * (d + bs + more)), ("x1_at", 2 * (d + bs)),
+        ("dout0_at", 2 * (bs + more)), ("dout1_at", 2 * (bs + d)),
+        ("dzl0_at", 2 * (bs + more)), ("dzl1_at", 2 * (bs + d)),
+        ("frag_at", 2 * steps * 512), ("pad_at", 2 * (2 * d + 32) * 4),
+        ("scratch_at", warps * scratch * 4), ("flags_at", 4 * warps),
     )  # fmt: skip
     layout, at = {}, 0
-    for name, size_before in areas:  # each area follows the one before it
-        at += size_before
+    for name, size in areas:
         if name:
             layout[name] = at
+        at += size
     return layout, at
 
 
