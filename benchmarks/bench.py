@@ -10,9 +10,10 @@ For every case (batch, dim, seqlen, layout, dtype, width, activation, bias) the 
 2. checks every provider's output against the float64 oracle ``cupyconv.reference`` on a subset
    (batch rows 0 and batch-1; a spread of channels when the oracle would be slow); a provider
    whose check fails is not timed and its row says why;
-3. times every provider with ``time_fn``: CUDA events around a loop of n back-to-back calls on
-   torch's current stream, after warm-up, repeated; the row reports the median per-call time and
-   the spread (min, max).
+3. times every provider with CUDA events around a loop of n back-to-back calls on torch's
+   current stream (``event_loop``), after warm-up, repeated in rounds that run every provider's
+   loop once (``interleaved``); the row reports the median per-call time and the spread (min,
+   max).
 
 Providers, all in the same run:
 
@@ -38,7 +39,8 @@ Back-to-back calls on the same buffers are what a model does; shapes whose x fit
 an H200) profit from it, and so does the copy they are compared with.
 
 ``bench_bwd.py`` times the backward and a training step with the same machinery (``measure_case``,
-``time_fn``, ``print_table``, ``write_json``, ``draw_png``), which lives here.
+``event_loop``, ``host_loop``, ``interleaved``, ``print_table``, ``write_json``, ``draw_png``),
+which lives here.
 """
 
 from __future__ import annotations
@@ -196,12 +198,12 @@ def check(case: Case, provider: str, fn, expected, rows, channels) -> None:
     assert_close(take(out, rows, channels), expected, dtype=case.dtype, name=provider)
 
 
-def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
-    """Per-call time of ``fn`` in microseconds: median, min and max over ``repeats`` loops.
+Loop = tuple[int, Callable[[], float]]  # (n, loop): loop() times n calls, per-call microseconds
 
-    Each loop is n back-to-back calls between two CUDA events on the current stream, with n
-    chosen so that one loop takes about ``target_ms``.
-    """
+
+def event_loop(fn, *, target_ms: float, warmup: int = 3) -> Loop:
+    """``fn``'s timed loop on the GPU clock: n back-to-back calls between two CUDA events on the
+    current stream, n chosen (after warm-up) so that one loop takes about ``target_ms``."""
     import torch
 
     for _ in range(warmup):
@@ -209,43 +211,69 @@ def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
 
-    def loop_ms(n: int) -> float:
+    def loop_us(n: int) -> float:
         start.record()
         for _ in range(n):
             fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) * 1e3 / n
 
     torch.cuda.synchronize()
-    estimate_ms = loop_ms(5) / 5
-    n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
-    per_call_us = [loop_ms(n) * 1e3 / n for _ in range(repeats)]
-    return spread(per_call_us, n)
+    n = calls_for(loop_us(5) / 1e3, target_ms)
+    return n, lambda: loop_us(n)
 
 
-def host_time_fn(fn, *, sync, repeats: int, target_ms: float, warmup: int = 3) -> dict:
-    """Per-call time of ``fn`` on the host clock, in microseconds (the keys of ``time_fn``).
-
-    Each loop is n back-to-back calls timed with ``time.perf_counter``, ending with
-    ``sync(last result)`` (``torch.cuda.synchronize``, JAX's ``block_until_ready``): what a
-    caller waits for per call, host path included, where the GPU is not the limit.
-    """
+def host_loop(fn, *, sync, target_ms: float, warmup: int = 3) -> Loop:
+    """``fn``'s timed loop on the host clock: n back-to-back calls timed with
+    ``time.perf_counter``, ending with ``sync(last result)`` (``torch.cuda.synchronize``, JAX's
+    ``block_until_ready``): what a caller waits for per call, host path included, where the GPU
+    is not the limit."""
     last = None
     for _ in range(warmup):
         last = fn()
     sync(last)
 
-    def loop_s(n: int) -> float:
+    def loop_us(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
             result = fn()
         sync(result)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start) * 1e6 / n
 
-    estimate_ms = loop_s(5) * 1e3 / 5
-    n = max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
-    return spread([loop_s(n) * 1e6 / n for _ in range(repeats)], n)
+    n = calls_for(loop_us(5) / 1e3, target_ms)
+    return n, lambda: loop_us(n)
+
+
+def calls_for(estimate_ms: float, target_ms: float) -> int:
+    return max(1, min(MAX_CALLS, round(target_ms / max(estimate_ms, 1e-4))))
+
+
+def time_fn(fn, *, repeats: int, target_ms: float, warmup: int = 3) -> dict:
+    """Per-call time of ``fn`` in microseconds (``event_loop``): median, min and max over
+    ``repeats`` loops."""
+    n, loop = event_loop(fn, target_ms=target_ms, warmup=warmup)
+    return spread([loop() for _ in range(repeats)], n)
+
+
+def interleaved(loops: dict[str, Loop], repeats: int) -> dict[str, dict | BaseException]:
+    """Per-call times of several providers' loops (``spread``), run in ``repeats`` rounds of one
+    loop each, the order rotated every round: a drift of the machine's speed during the run
+    (clocks, the host's other work) falls on every provider alike. A provider whose loop raises
+    gets the exception and leaves the rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in loops}
+    failed: dict[str, BaseException] = {}
+    names = list(loops)
+    for r in range(repeats):
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            if name in failed:
+                continue
+            try:
+                samples[name].append(loops[name][1]())
+            except Exception as exc:  # noqa: BLE001 (reported in the provider's row)
+                failed[name] = exc
+    return {name: failed.get(name) or spread(samples[name], loops[name][0]) for name in names}
 
 
 def torch_conv(case: Case, x, weight3, bias):
@@ -361,7 +389,7 @@ def measure_case(
     do_check: bool,
     repeats: int,
     target_ms: float,
-    timers: dict[str, Callable] | None = None,
+    loops: dict[str, Callable[..., Loop]] | None = None,
     timed_if_off: tuple[str, ...] = (),
 ) -> list[dict]:
     """Check, then time every provider on one case; one row per provider, never raises.
@@ -370,7 +398,8 @@ def measure_case(
     and ``checker()``, called only when checking, which computes the oracle and returns
     ``(compare, where)``, ``where`` describing the checked subset. ``names`` are the rows reported
     when setup itself fails; ``bytes_of(provider)`` the bytes its GB/s counts. Providers are timed
-    with ``time_fn`` unless ``timers`` names another timer for them (same signature). A provider
+    together (``interleaved``), each by its ``event_loop`` unless ``loops`` names another loop
+    for it (same signature: ``host_loop`` with its sync bound). A provider
     whose check fails is not timed, unless ``timed_if_off`` names it (baselines that are less
     precise than the contract): its row then keeps the failed check and gets the times too.
     """
@@ -412,18 +441,21 @@ def measure_case(
                 row.update(status="error", message=error_text(exc))
                 print(f"check {case.name} {name}: ERROR {error_text(exc)}")
 
-    timers = timers or {}
+    timed = {}
     for name, (fn, _) in providers.items():
         row = rows[name]
         timed_anyway = row["status"] == "check failed" and name in timed_if_off
         if fn is None or (row["status"] != "ok" and not timed_anyway):
             continue
         try:
-            row.update(timers.get(name, time_fn)(fn, repeats=repeats, target_ms=target_ms))
+            timed[name] = (loops or {}).get(name, event_loop)(fn, target_ms=target_ms)
         except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
             row.update(status="error", message=error_text(exc))
-            continue
-        row["gbps"] = row["bytes"] / (row["us_median"] * 1e3)
+    for name, result in interleaved(timed, repeats).items():
+        if isinstance(result, BaseException):
+            rows[name].update(status="error", message=error_text(result))
+        else:
+            rows[name].update(result, gbps=rows[name]["bytes"] / (result["us_median"] * 1e3))
     return with_copy_ratios(rows)
 
 

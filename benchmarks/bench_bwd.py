@@ -508,13 +508,14 @@ def run_case(
     do_check: bool,
     repeats: int,
     target_ms: float,
-    timer: Callable | None = None,
-    host_timer: Callable | None = None,
+    loop: Callable | None = None,
+    host_loop: Callable | None = None,
 ) -> list[dict]:
     """Check, then time every provider of ``table`` on one case (``bench.measure_case``), then
-    time the host-bound cases on the host clock; one row per provider, never raises.
+    time the host-bound cases on the host clock (the providers again interleaved); one row per
+    provider, never raises.
 
-    ``timer`` and ``host_timer`` replace ``bench.time_fn`` and ``bench.host_time_fn`` (tests).
+    ``loop`` and ``host_loop`` replace ``bench.event_loop`` and ``bench.host_loop`` (tests).
     """
     built: dict = {}
 
@@ -542,10 +543,10 @@ def run_case(
         return providers, checker
 
     sync = torch_sync if env.device == "cuda" else (lambda result: None)
-    host_timer = host_timer or bench.host_time_fn
-    timers = {name: partial(host_timer, sync=jax_sync) for name in JAX_PROVIDERS}
-    if timer is not None:
-        timers.update({name: timer for name in PROVIDERS[table] if name not in JAX_PROVIDERS})
+    host_loop = host_loop or bench.host_loop
+    loops = {name: partial(host_loop, sync=jax_sync) for name in JAX_PROVIDERS}
+    if loop is not None:
+        loops.update({name: loop for name in PROVIDERS[table] if name not in JAX_PROVIDERS})
     absent = {
         "causal_conv1d": (env.reference_bwd if table == "bwd" else env.reference_fn) is None,
         "cudnn": env.cudnn_fn is None,
@@ -559,11 +560,12 @@ def run_case(
         do_check=do_check,
         repeats=repeats,
         target_ms=target_ms,
-        timers=timers,
+        loops=loops,
         timed_if_off=BASELINES,
     )
 
     copy_gbps = next((row["gbps"] for row in rows if row["provider"] == "copy"), None)
+    host_loops = {}
     for row in rows:
         name = row["provider"]
         row.update(
@@ -579,10 +581,15 @@ def run_case(
             row["host_us"] = row["us_median"]
             continue
         try:
-            host = host_timer(built[name][0], sync=sync, repeats=repeats, target_ms=target_ms)
-            row["host_us"] = host["us_median"]
+            host_loops[name] = host_loop(built[name][0], sync=sync, target_ms=target_ms)
         except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
             row.update(status="error", message=f"host timing: {error_text(exc)}")
+    by_name = {row["provider"]: row for row in rows}
+    for name, host in bench.interleaved(host_loops, repeats).items():
+        if isinstance(host, BaseException):
+            by_name[name].update(status="error", message=f"host timing: {error_text(host)}")
+        else:
+            by_name[name]["host_us"] = host["us_median"]
     return rows
 
 

@@ -4,6 +4,7 @@ timer (the GPU timing itself runs on the benchmark machine)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -40,18 +41,20 @@ FORWARD_CASES = [
 ]
 
 
-def fake_timer(fn, *, repeats, target_ms, sync=None):
-    """Stands in for time_fn / host_time_fn: runs fn once, reports 10-12 us per call."""
+def fake_loop(fn, *, target_ms, sync=None):
+    """Stands in for event_loop / host_loop: runs fn once; its loop reports 10, 11, 12, 10, ...
+    us per call."""
     result = fn()
     if sync is not None:
         sync(result)
-    return bench.spread([10.0, 11.0, 12.0][:repeats], 5)
+    times = itertools.cycle([10.0, 11.0, 12.0])
+    return 5, lambda: next(times)
 
 
 def run(table, case, env, **kwargs):
     options = {"do_check": True, "repeats": 3, "target_ms": 1.0}
     return bench_bwd.run_case(
-        table, case, env, timer=fake_timer, host_timer=fake_timer, **(options | kwargs)
+        table, case, env, loop=fake_loop, host_loop=fake_loop, **(options | kwargs)
     )
 
 
@@ -182,6 +185,29 @@ def test_forward_table_layout(capsys):
         "cf-bf16-8x5120x2048-w4  cupyconv     -           -     -          -"
         "  error: NotImplementedError: not yet",
     ]
+
+
+def test_interleaved_rounds_rotate_and_keep_failures_apart():
+    """Each round runs every provider's loop once, starting one provider later each round; a
+    loop that raises leaves the rounds with its exception, the others keep their times."""
+    order = []
+
+    def loop(name, fail_at=None):
+        count = itertools.count()
+
+        def run():
+            i = next(count)
+            order.append(name)
+            if i == fail_at:
+                raise RuntimeError("lost the device")
+            return float(i + 1)
+
+        return 7, run
+
+    got = bench.interleaved({"a": loop("a"), "b": loop("b"), "c": loop("c", fail_at=1)}, 3)
+    assert order == ["a", "b", "c", "b", "c", "a", "a", "b"]
+    assert got["a"] == got["b"] == bench.spread([1.0, 2.0, 3.0], 7)
+    assert isinstance(got["c"], RuntimeError) and str(got["c"]) == "lost the device"
 
 
 def test_measure_case_survives_a_failed_setup():
