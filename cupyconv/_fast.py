@@ -106,10 +106,15 @@ class Cupy:
         import cupy
 
         shape, strides, dtype = spec  # byte strides
-        size = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
         with cupy.cuda.Device(like.data.device_id):
-            memory = cupy.cuda.alloc(size)
+            memory = cupy.cuda.alloc(Cupy.nbytes(spec))
         return cupy.ndarray(shape, dtype, memory, strides)
+
+    @staticmethod
+    def nbytes(spec) -> int:
+        """The bytes an array of output spec ``spec`` spans."""
+        shape, strides, dtype = spec
+        return sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
 
     @staticmethod
     def stream_reader():

@@ -50,20 +50,50 @@ def causal_conv1d_bwd(
                 x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
                 return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
             )  # fmt: skip
-    key = None
-    if fw is not None and dx is None and dweight_out is None and dbias_out is None:
-        inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
-        want = return_dinitial_states if type(return_dinitial_states) is bool else None
-        if dinitial_states_out is None or not want:
-            key = _fast.signature(fw, inputs, "bwd", activation, want)
-            fast = _fast.lookup(key)
-            if fast is not None:
-                return fast(key[1], x)[:4]
+    key, inputs = lean_key(
+        fw, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+        return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
+    )  # fmt: skip
+    fast = _fast.lookup(key)
+    if fast is not None:
+        made = fast(key[1], x)
+        if len(inputs) == 7:  # the results are new arrays
+            return made[:4]
+        if made is not None:  # the results are the caller's buffers
+            return (*inputs[7:9], inputs[9] if bias is not None else None, inputs[10])
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
     )  # fmt: skip
     return _backward_gpu(call, fw, key) if call.conv.x.on_gpu else _backward_cpu(call)
+
+
+def lean_key(
+    fw, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+    return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
+):  # fmt: skip
+    """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
+    arrays in the kernels' pointer order (x, weight, bias, seq_idx, initial_states, dout,
+    dfinal_states, then with output buffers dx, dweight, dbias, dinitial_states, None where
+    absent); (None, None) where the call cannot take it. Output buffers: none, or one for
+    every result the call makes (dx, dweight, dbias with bias, dinitial_states when asked for
+    with initial_states)."""
+    if fw is None:
+        return None, None
+    want = return_dinitial_states if type(return_dinitial_states) is bool else None
+    inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
+    makes_dinit = bool(want) and initial_states is not None
+    dinit = dinitial_states_out if makes_dinit else None  # (ignored where not made)
+    if dx is None and dweight_out is None and dbias_out is None and dinit is None:
+        return _fast.signature(fw, inputs, "bwd", activation, want), inputs
+    if dx is None or dweight_out is None or (dbias_out is None) != (bias is None):
+        return None, None
+    if (dinit is None) == makes_dinit:
+        return None, None
+    buffers = (dx, dweight_out, dbias_out, dinit)
+    written = [b for b in buffers if b is not None]
+    inputs += buffers
+    return _fast.signature(fw, inputs, "bwd", activation, want, written=written), inputs
 
 
 def lean_backward(known, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
@@ -151,23 +181,38 @@ def _backward_gpu(call: _BackwardCall, fw=None, key=None):
     if call.want_dinit:
         init = a.initial_states
         dinit = call.dinit or empty(x, init.shape, strides_like(init), x.dtype)
+    given = (call.dx, call.dweight, call.dbias, call.dinit)
+    made = (dx, dweight, dbias, dinit)
     if dim > 0:
         stream = stream_of(x)
         launches, partials, scratch = _launches(call, dx, dweight, dbias, dinit)
         for step, args in launches:
             launch(step, call.device, args, stream)
-        if key is not None:
-            outputs = tuple(
-                m and _fast.output_spec(fw, m, x)
-                for m in (dx, dweight, dbias, dinit, partials, scratch)
-            )
+        if key is not None and _fast.may_repeat(fw, *given):
             replay = Replay(launches, call.device, POINTERS, stream_ptr(stream))
-            _fast.store(key, _fast.FastCall(fw, call.device, replay, outputs))
-    given = (call.dx, call.dweight, call.dbias, call.dinit)
-    made = (dx, dweight, dbias, dinit)
+            _fast.store(key, _fast_call(call, fw, replay, made, partials, scratch))
     return tuple(
         None if m is None else g.obj if g is not None else result(x, m) for g, m in zip(given, made)
     )
+
+
+def _fast_call(call: _BackwardCall, fw, replay, results, partials, scratch) -> _fast.FastCall:
+    """The FastCall of a call: it allocates the results it makes and the plan's scratch; with
+    output buffers (given for every result), only the scratch, and guards the buffers' memory
+    against the inputs' and each other's."""
+    x = call.conv.x
+    if call.dx is None:
+        outputs = tuple(m and _fast.output_spec(fw, m, x) for m in (*results, partials, scratch))
+        return _fast.FastCall(fw, call.device, replay, outputs)
+    a = call.conv
+    arrays = (
+        x, a.weight, a.bias, a.seq_idx, a.initial_states, call.dout, call.dfinal, call.dx,
+        call.dweight, call.dbias, call.dinit,
+    )  # fmt: skip
+    guards = tuple((w, o) for w in range(7, 11) if arrays[w] is not None for o in range(w))
+    outputs = tuple(m and _fast.output_spec(fw, m) for m in (partials, scratch))
+    spans = tuple(b and _fast.span(b) for b in arrays)
+    return _fast.FastCall(fw, call.device, replay, outputs, guards, spans)
 
 
 def _launches(call: _BackwardCall, dx, dweight, dbias, dinit):

@@ -31,9 +31,11 @@ import math
 import jax
 import numpy as np
 
+from . import _fast
 from ._arrays import remember
 from .backward import _BackwardCall
 from .backward import causal_conv1d_bwd as _core_bwd
+from .backward import lean_key as _backward_lean_key
 from .forward import _ForwardCall
 from .forward import causal_conv1d_fn as _core_fn
 from .forward import lean_key as _forward_lean_key
@@ -208,16 +210,20 @@ class _Op:
         learned = _learned.get(self)
         if learned is not None:
             fast, aligned = learned
-            ptrs = [0 if b is None else b.__cuda_array_interface__["data"][0] for b in buffers]
-            ptrs += [b.__cuda_array_interface__["data"][0] for b in outs]
-            ptrs += [0] * (len(aligned) - len(ptrs))  # final_states when not asked for
+            ptrs = self.pointers(
+                [0 if b is None else b.__cuda_array_interface__["data"][0] for b in buffers],
+                [b.__cuda_array_interface__["data"][0] for b in outs],
+            )
             if [p & 15 for p in ptrs] == aligned and fast.clear(ptrs):
-                fast.replay.run(ptrs, ctx.stream)
+                if any(fast.outputs):
+                    _replay_with_scratch(fast, ptrs, ctx.stream)
+                else:
+                    fast.replay.run(ptrs, ctx.stream)
                 return
         import cupy
 
         device = int(outs[0].__dlpack_device__()[1])
-        with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_XlaStream(ctx.stream)):
+        with cupy.cuda.Device(device), _external_stream(cupy, ctx.stream):
             inputs = tuple(
                 None if b is None else _cupy_view(cupy, b, t[1], device)
                 for b, t in zip(buffers, self.types)
@@ -227,6 +233,11 @@ class _Op:
             )
             self(inputs, results)
             self.learn(inputs, results)
+
+    def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
+        """The addresses of the call's input and result buffers (0 for absent ones) in its
+        kernels' pointer order, the arrays of ``learn``'s lean key."""
+        raise NotImplementedError
 
     def learn(self, inputs, results) -> None:
         """Keep the lean-path replay the call on these CuPy views left behind, if any."""
@@ -250,9 +261,10 @@ class _Forward(_Op):
         shapes = [x_shape, (batch, dim, width - 1)] if self.final else [x_shape]
         return tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
 
-    def learn(self, inputs, results) -> None:
-        from . import _fast
+    def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
+        return inputs + results + [0] * (2 - len(results))  # final_states when not asked for
 
+    def learn(self, inputs, results) -> None:
         out, final = results[0], results[1] if self.final else None
         activation = "silu" if self.silu else None
         key, arrays = _forward_lean_key(
@@ -290,6 +302,29 @@ class _Backward(_Op):
         if initial_states is not None:
             found.append((initial_states[0], x[1]))  # dtype of x
         return tuple(jax.ShapeDtypeStruct(s, d) for s, d in found)
+
+    def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
+        x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
+        found = iter(results)
+        dx, dweight = next(found), next(found)
+        dbias = next(found) if bias else 0
+        dinit = next(found) if initial_states else 0
+        return [x, weight, bias, seq_idx, initial_states, dout, dfinal, dx, dweight, dbias, dinit]
+
+    def learn(self, inputs, results) -> None:
+        x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
+        found = iter(results)
+        dx, dweight = next(found), next(found)
+        dbias = None if bias is None else next(found)
+        dinit = None if initial_states is None else next(found)
+        key, arrays = _backward_lean_key(
+            _fast.Cupy, x, weight, bias, dout, seq_idx, initial_states, dfinal, dx,
+            initial_states is not None, "silu" if self.silu else None, dweight, dbias, dinit,
+        )  # fmt: skip
+        fast = _fast.lookup(key)
+        if fast is not None and len(arrays) == 11:
+            aligned = [0 if a is None else a.data.ptr & 15 for a in arrays]
+            remember(_learned, self, (fast, aligned))
 
     def __call__(self, inputs, outs=None) -> tuple:
         x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
@@ -362,6 +397,21 @@ def _on_cpu(op, *arrays) -> tuple:
 def _on_gpu(op, *arrays) -> tuple:
     """cupyconv's kernels on XLA's stream, into XLA's buffers."""
     return tuple(_buffer_callback(op.launch, op.results(), vmap_method="sequential")(*arrays))
+
+
+def _replay_with_scratch(fast, ptrs: list[int], stream: int) -> None:
+    """``fast``'s launches on ``ptrs`` with the scratch its plan needs (dweight's partials)
+    taken from CuPy's pool on XLA's stream, which orders the memory's reuse after them."""
+    import cupy
+
+    with cupy.cuda.Device(fast.device), _external_stream(cupy, stream):
+        scratch = [s and cupy.cuda.alloc(_fast.Cupy.nbytes(s)) for s in fast.outputs]
+        fast.replay.run(ptrs + [0 if m is None else m.ptr for m in scratch], stream)
+
+
+def _external_stream(cupy, handle: int):
+    """XLA's stream as CuPy's current stream (a context manager)."""
+    return cupy.cuda.Stream.from_external(_XlaStream(handle))
 
 
 class _XlaStream:

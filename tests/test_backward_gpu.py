@@ -166,6 +166,37 @@ def test_buffers(layout):
     run_bwd(2, 48, 200, 4, "bfloat16", layout=layout, init=True, dfinal=True, buffers=True)
 
 
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("features", ["buffers", "buffers-nobias", "buffers-seq"])
+@pytest.mark.parametrize("shape", [(2, 48, 200), (3, 64, 5000)], ids=["one-part", "partials"])
+def test_buffers_lean_path(monkeypatch, layout, features, shape):
+    """A call with output buffers like an earlier one's replays its launches (no argument
+    checks, plan or packing again) into the new buffers, with the new values; a dx that
+    shares memory with dout sends the call the full way, which refuses it."""
+    import torch
+
+    from cupyconv import _fast, backward
+
+    kwargs = dict(layout=layout, **features_of(features))
+    run_bwd(*shape, 4, "bfloat16", seed=1, **kwargs)
+    calls = len(_fast._calls)
+
+    def full_path(*args):
+        raise AssertionError("the call took the full path")
+
+    with monkeypatch.context() as m:
+        m.setattr(backward, "_BackwardCall", full_path)
+        run_bwd(*shape, 4, "bfloat16", seed=2, **kwargs)
+    assert len(_fast._calls) == calls
+    x, dout, dx = (nan_like_layout(shape, torch.bfloat16, layout).normal_() for _ in range(3))
+    w = torch.randn(shape[1], 4, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(shape[1], device="cuda", dtype=torch.bfloat16)
+    grads = dict(dweight_out=torch.empty_like(w), dbias_out=torch.empty_like(b), activation="silu")
+    cupyconv.causal_conv1d_bwd(x, w, b, dout, dx=dx, **grads)  # leaves a FastCall
+    with pytest.raises(ValueError, match="^dx must not share memory with dout$"):
+        cupyconv.causal_conv1d_bwd(x, w, b, dout, dx=dout, **grads)
+
+
 @pytest.mark.parametrize("layout,width", [("cf", 4), ("cl", 4), ("misaligned", 4), ("cl", 20)])
 @pytest.mark.parametrize("bias", (True, False))
 def test_single_part(layout, width, bias):

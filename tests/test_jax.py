@@ -649,6 +649,30 @@ def test_gpu_scan_over_chunks_equals_one_call(on_gpu, width, chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [Case(dtype="bfloat16", batch=2, dim=48, seqlen=200, init=True, final=True),
+     Case(dtype="bfloat16", batch=3, dim=64, seqlen=5000, seq_idx=True)],
+    ids=["one-part", "partials"],
+)  # fmt: skip
+def test_gpu_grad_replays_its_launches(on_gpu, monkeypatch, case):
+    """Once a configuration has run, the backward's callback replays its launches into XLA's
+    buffers (dweight's partials from CuPy's pool on XLA's stream) without the core's full
+    path, with the new values."""
+    monkeypatch.setattr(cj, "_learned", {})
+    for seed in (0, 1, 2):
+        inputs = Inputs(case, seed=seed)
+        check_grads(inputs, jax.jit(jax.grad(inputs.loss()))(inputs.arrays()))
+        if seed == 0:
+            assert [type(op) for op in cj._learned] == [cj._Forward, cj._Backward]
+
+            def full_path(*args, **kwargs):
+                raise AssertionError("the backward took the core's full path")
+
+            monkeypatch.setattr(cj, "_core_bwd", full_path)
+
+
+@pytest.mark.gpu
 def test_gpu_vmap(on_gpu):
     check_vmap()
 
