@@ -217,8 +217,8 @@ class _Op:
             if [p & 15 for p in ptrs] == aligned and fast.clear(ptrs):
                 if any(fast.outputs):
                     _replay_with_scratch(fast, ptrs, ctx.stream)
-                else:
-                    fast.replay.run(ptrs, ctx.stream)
+                else:  # nothing to allocate: 0 for each absent output
+                    fast.replay.run(ptrs + [0] * len(fast.outputs), ctx.stream)
                 return
         import cupy
 
@@ -236,7 +236,7 @@ class _Op:
 
     def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
         """The addresses of the call's input and result buffers (0 for absent ones) in its
-        kernels' pointer order, the arrays of ``learn``'s lean key."""
+        kernels' pointer order: those of the arrays of ``learn``'s lean key."""
         raise NotImplementedError
 
     def learn(self, inputs, results) -> None:
@@ -262,7 +262,7 @@ class _Forward(_Op):
         return tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
 
     def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
-        return inputs + results + [0] * (2 - len(results))  # final_states when not asked for
+        return inputs + results
 
     def learn(self, inputs, results) -> None:
         out, final = results[0], results[1] if self.final else None
@@ -273,7 +273,6 @@ class _Forward(_Op):
         fast = _fast.lookup(key)
         if fast is not None and len(arrays) == len(inputs) + len(results):
             aligned = [0 if a is None else a.data.ptr & 15 for a in arrays]
-            aligned += [0] * (7 - len(aligned))  # the forward's seven pointers
             remember(_learned, self, (fast, aligned))
 
     def __call__(self, inputs, outs=None) -> tuple:

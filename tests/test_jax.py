@@ -663,8 +663,8 @@ def test_gpu_grad_replays_its_launches(on_gpu, monkeypatch, case):
     for seed in (0, 1, 2):
         inputs = Inputs(case, seed=seed)
         check_grads(inputs, jax.jit(jax.grad(inputs.loss()))(inputs.arrays()))
-        if seed == 0:
-            assert [type(op) for op in cj._learned] == [cj._Forward, cj._Backward]
+        if seed == 0:  # (XLA may drop the forward's callback: jax.grad does not use out)
+            assert cj._Backward in {type(op) for op in cj._learned}
 
             def full_path(*args, **kwargs):
                 raise AssertionError("the backward took the core's full path")
