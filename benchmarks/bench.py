@@ -201,9 +201,15 @@ def check(case: Case, provider: str, fn, expected, rows, channels) -> None:
 Loop = tuple[int, Callable[[], float]]  # (n, loop): loop() times n calls, per-call microseconds
 
 
+#: Untimed calls before each timed loop: with the providers interleaved, a loop follows another
+#: provider's, and its first calls would pay for the switch (host caches, allocator state).
+LOOP_WARMUP = 2
+
+
 def event_loop(fn, *, target_ms: float, warmup: int = 3) -> Loop:
     """``fn``'s timed loop on the GPU clock: n back-to-back calls between two CUDA events on the
-    current stream, n chosen (after warm-up) so that one loop takes about ``target_ms``."""
+    current stream (after LOOP_WARMUP untimed ones), n chosen (after warm-up) so that one loop
+    takes about ``target_ms``."""
     import torch
 
     for _ in range(warmup):
@@ -212,6 +218,8 @@ def event_loop(fn, *, target_ms: float, warmup: int = 3) -> Loop:
     end = torch.cuda.Event(enable_timing=True)
 
     def loop_us(n: int) -> float:
+        for _ in range(LOOP_WARMUP):
+            fn()
         start.record()
         for _ in range(n):
             fn()
@@ -226,15 +234,18 @@ def event_loop(fn, *, target_ms: float, warmup: int = 3) -> Loop:
 
 def host_loop(fn, *, sync, target_ms: float, warmup: int = 3) -> Loop:
     """``fn``'s timed loop on the host clock: n back-to-back calls timed with
-    ``time.perf_counter``, ending with ``sync(last result)`` (``torch.cuda.synchronize``, JAX's
-    ``block_until_ready``): what a caller waits for per call, host path included, where the GPU
-    is not the limit."""
+    ``time.perf_counter`` (after LOOP_WARMUP untimed ones and a sync), ending with
+    ``sync(last result)`` (``torch.cuda.synchronize``, JAX's ``block_until_ready``): what a
+    caller waits for per call, host path included, where the GPU is not the limit."""
     last = None
     for _ in range(warmup):
         last = fn()
     sync(last)
 
     def loop_us(n: int) -> float:
+        for _ in range(LOOP_WARMUP):
+            result = fn()
+        sync(result)
         start = time.perf_counter()
         for _ in range(n):
             result = fn()
@@ -398,8 +409,9 @@ def measure_case(
     and ``checker()``, called only when checking, which computes the oracle and returns
     ``(compare, where)``, ``where`` describing the checked subset. ``names`` are the rows reported
     when setup itself fails; ``bytes_of(provider)`` the bytes its GB/s counts. Providers are timed
-    together (``interleaved``), each by its ``event_loop`` unless ``loops`` names another loop
-    for it (same signature: ``host_loop`` with its sync bound). A provider
+    by their ``event_loop`` unless ``loops`` names another loop for them (same signature:
+    ``host_loop`` with its sync bound); those timed by the same loop are timed together
+    (``interleaved``), the others each on its own. A provider
     whose check fails is not timed, unless ``timed_if_off`` names it (baselines that are less
     precise than the contract): its row then keeps the failed check and gets the times too.
     """
@@ -441,17 +453,21 @@ def measure_case(
                 row.update(status="error", message=error_text(exc))
                 print(f"check {case.name} {name}: ERROR {error_text(exc)}")
 
-    timed = {}
+    timed: dict[Callable, dict[str, Loop]] = {}  # the providers' loops, by their kind of loop
     for name, (fn, _) in providers.items():
         row = rows[name]
         timed_anyway = row["status"] == "check failed" and name in timed_if_off
         if fn is None or (row["status"] != "ok" and not timed_anyway):
             continue
+        kind = (loops or {}).get(name, event_loop)
         try:
-            timed[name] = (loops or {}).get(name, event_loop)(fn, target_ms=target_ms)
+            timed.setdefault(kind, {})[name] = kind(fn, target_ms=target_ms)
         except Exception as exc:  # noqa: BLE001 (recorded in the row, not fatal)
             row.update(status="error", message=error_text(exc))
-    for name, result in interleaved(timed, repeats).items():
+    results = {}
+    for group in timed.values():  # interleaved with the providers timed alike
+        results.update(interleaved(group, repeats))
+    for name, result in results.items():
         if isinstance(result, BaseException):
             rows[name].update(status="error", message=error_text(result))
         else:
