@@ -165,16 +165,12 @@ def signature(fw, arrays, *others, written=(), known=None) -> tuple | None:
     return tuple(key), ptrs
 
 
-def signatures(fw, arrays) -> tuple | None:
-    """The layouts of ``arrays`` and their number, for ``signature(..., known=)`` of a later
-    call on them (a torch autograd backward on the forward's inputs); None where one cannot
-    be read."""
-    key: list = []
-    try:
-        fw.describe(arrays, key, [])
-    except Exception:  # noqa: BLE001 - an array the fast path cannot read: the full path
-        return None
-    return key, len(arrays)
+def known_of(sig: tuple | None, others: int, count: int) -> tuple | None:
+    """The layouts of the ``count`` arrays of signature ``sig`` (of a call on exactly those
+    arrays, with ``others`` other arguments and no buffer written) and their number, for
+    ``signature(..., known=)`` of a later call on them (a torch autograd backward on the
+    forward's inputs): read once for both calls. None where ``sig`` is None."""
+    return None if sig is None else (list(sig[0][1 + others : -1]), count)
 
 
 def may_repeat(fw, *written) -> bool:

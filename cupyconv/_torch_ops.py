@@ -447,16 +447,14 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
-        # The lean path (``_fast.py``) with the inputs' signatures kept for the backward; else
+        # The lean path (``_fast.py``) with the inputs' layouts kept for the backward; else
         # the public function (grad mode is off in here).
         arrays = (x, weight, bias, seq_idx, initial_states)
-        ctx.signatures = known = _fast.signatures(_fast.Torch, arrays)
-        res = None
-        if known is not None:
-            key, inputs = forward.lean_key(
-                _fast.Torch, *arrays, return_final_states, None, activation, None, known
-            )
-            res = forward.lean_call(key, inputs, return_final_states)
+        key, inputs = forward.lean_key(
+            _fast.Torch, *arrays, return_final_states, None, activation, None
+        )
+        ctx.signatures = _fast.known_of(key, forward.LEAN_OTHERS, len(arrays))
+        res = forward.lean_call(key, inputs, return_final_states)
         if res is None:
             res = forward.causal_conv1d_fn(*arrays, return_final_states, None, activation)
         _setup_context(ctx, (*arrays, activation), res)

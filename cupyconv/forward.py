@@ -90,12 +90,11 @@ _torch_ops = None  # cupyconv._torch_ops, imported with the first torch tensor (
 
 def lean_key(
     fw, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
-    activation, out, known=None,
+    activation, out,
 ):  # fmt: skip
     """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
     arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
-    the call cannot take it. ``known``: the layouts of x .. initial_states, taken before
-    (``_fast.signatures``)."""
+    the call cannot take it. Its signature has LEAN_OTHERS other arguments."""
     if fw is None or (final_states_out is not None and out is None):
         return None, None
     final = return_final_states if type(return_final_states) is bool else None
@@ -103,8 +102,11 @@ def lean_key(
     if final and final_states_out is not None:
         given += (final_states_out,)
     inputs = (x, weight, bias, seq_idx, initial_states, *given)
-    key = _fast.signature(fw, inputs, "fwd", activation, final, written=given, known=known)
+    key = _fast.signature(fw, inputs, "fwd", activation, final, written=given)
     return key, inputs
+
+
+LEAN_OTHERS = 3  # the other arguments of lean_key's signatures ("fwd", activation, final)
 
 
 def lean_call(key, inputs, return_final_states):
