@@ -59,8 +59,8 @@ def causal_conv1d_bwd(
         made = fast(key[1], x)
         if len(inputs) == 7:  # the results are new arrays
             return made[:4]
-        if made is not None:  # the results are the caller's buffers
-            return (*inputs[7:9], inputs[9] if bias is not None else None, inputs[10])
+        if made is not None:  # the results are the caller's buffers (None where not made)
+            return inputs[7:]
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
