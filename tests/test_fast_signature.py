@@ -147,3 +147,29 @@ def test_update_signature_of_unreadable_arguments_is_none():
 
     a = update_args()
     assert update_sig(**dict(a, w=np.zeros((8, 4)))) is None
+
+
+def test_backward_lean_key_takes_buffers_for_every_result_or_none():
+    """The backward's lean path takes a call with no output buffers, or with one for every
+    result it makes (dbias with bias, dinitial_states when asked for with initial_states);
+    its inputs then end with the buffers, None exactly where no result is made."""
+    from cupyconv.backward import lean_key
+
+    x, dout, dx = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    w, b, init = torch.zeros(8, 4), torch.zeros(8), torch.zeros(2, 8, 3)
+    dw, db, dinit = torch.zeros(8, 4), torch.zeros(8), torch.zeros(2, 8, 3)
+
+    def key(bias, initial_states, want, *buffers):
+        return lean_key(Torch, x, w, bias, dout, None, initial_states, None, buffers[0], want,
+                        "silu", *buffers[1:])  # fmt: skip
+
+    k, inputs = key(b, None, False, None, None, None, None)
+    assert k is not None and len(inputs) == 7
+    k, inputs = key(b, init, True, dx, dw, db, dinit)
+    assert k is not None and inputs[7:] == (dx, dw, db, dinit)
+    k, inputs = key(None, None, True, dx, dw, None, dinit)  # dinitial_states not made: ignored
+    assert k is not None and inputs[7:] == (dx, dw, None, None)
+    assert key(b, None, False, dx, dw, None, None) == (None, None)  # dbias missing
+    assert key(None, None, False, dx, dw, db, None) == (None, None)  # dbias without bias
+    assert key(b, init, True, dx, dw, db, None) == (None, None)  # dinitial_states missing
+    assert key(b, None, False, dx, None, db, None) == (None, None)  # dweight missing
