@@ -214,13 +214,13 @@ class FastCall:
         if fw is Torch:
             _torch = sys.modules["torch"]
         self.fw, self.device, self.replay, self.outputs = fw, device, replay, outputs
-        # (written, other, lo, hi) of every guard on an input the signature has (an absent one
-        # stays absent under the same signature): the ranges meet where lo <= other - written
-        # <= hi (the addresses' difference)
+        # (written, other, lo, hi) of every guard between arrays the signature has (an absent
+        # one stays absent under the same signature): the ranges meet where lo <= other -
+        # written <= hi (the addresses' difference)
         self.checks = tuple(
             (w, o, spans[w][0] - spans[o][1], spans[w][1] - spans[o][0])
             for w, o in guards
-            if spans[o]
+            if spans[w] and spans[o]
         )
         self.stream = fw.stream_reader()
         self.like = fw is Torch and outputs == (LIKE,)  # one output: torch.empty_like(x)

@@ -200,19 +200,18 @@ def _fast_call(call: _BackwardCall, fw, replay, results, partials, scratch) -> _
     """The FastCall of a call: it allocates the results it makes and the plan's scratch; with
     output buffers (given for every result), only the scratch, and guards the buffers' memory
     against the inputs' and each other's."""
-    x = call.conv.x
-    if call.dx is None:
-        outputs = tuple(m and _fast.output_spec(fw, m, x) for m in (*results, partials, scratch))
-        return _fast.FastCall(fw, call.device, replay, outputs)
     a = call.conv
+    if call.dx is None:
+        made = (*results, partials, scratch)
+        outputs = tuple(m and _fast.output_spec(fw, m, a.x) for m in made)
+        return _fast.FastCall(fw, call.device, replay, outputs)
     arrays = (
-        x, a.weight, a.bias, a.seq_idx, a.initial_states, call.dout, call.dfinal, call.dx,
+        a.x, a.weight, a.bias, a.seq_idx, a.initial_states, call.dout, call.dfinal, call.dx,
         call.dweight, call.dbias, call.dinit,
     )  # fmt: skip
-    guards = tuple((w, o) for w in range(7, 11) if arrays[w] is not None for o in range(w))
     outputs = tuple(m and _fast.output_spec(fw, m) for m in (partials, scratch))
     spans = tuple(b and _fast.span(b) for b in arrays)
-    return _fast.FastCall(fw, call.device, replay, outputs, guards, spans)
+    return _fast.FastCall(fw, call.device, replay, outputs, _fast.written_guards(7, 4), spans)
 
 
 def _launches(call: _BackwardCall, dx, dweight, dbias, dinit):

@@ -302,20 +302,22 @@ class _Backward(_Op):
             found.append((initial_states[0], x[1]))  # dtype of x
         return tuple(jax.ShapeDtypeStruct(s, d) for s, d in found)
 
-    def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
-        x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
+    def split(self, results, absent=None) -> tuple:
+        """(dx, dweight, dbias, dinitial_states) of ``results`` (in the order of
+        ``results()``), ``absent`` for the ones the call does not make."""
+        _, _, bias, _, _, initial_states, _ = self.types
         found = iter(results)
         dx, dweight = next(found), next(found)
-        dbias = next(found) if bias else 0
-        dinit = next(found) if initial_states else 0
-        return [x, weight, bias, seq_idx, initial_states, dout, dfinal, dx, dweight, dbias, dinit]
+        dbias = absent if bias is None else next(found)
+        return dx, dweight, dbias, absent if initial_states is None else next(found)
+
+    def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
+        x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
+        return [x, weight, bias, seq_idx, initial_states, dout, dfinal, *self.split(results, 0)]
 
     def learn(self, inputs, results) -> None:
         x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
-        found = iter(results)
-        dx, dweight = next(found), next(found)
-        dbias = None if bias is None else next(found)
-        dinit = None if initial_states is None else next(found)
+        dx, dweight, dbias, dinit = self.split(results)
         key, arrays = _backward_lean_key(
             _fast.Cupy, x, weight, bias, dout, seq_idx, initial_states, dfinal, dx,
             initial_states is not None, "silu" if self.silu else None, dweight, dbias, dinit,
@@ -329,13 +331,8 @@ class _Backward(_Op):
         x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
         buffers = {}
         if outs is not None:
-            it = iter(outs)
-            buffers = dict(
-                dx=next(it),
-                dweight_out=next(it),
-                dbias_out=None if bias is None else next(it),
-                dinitial_states_out=None if initial_states is None else next(it),
-            )
+            names = ("dx", "dweight_out", "dbias_out", "dinitial_states_out")
+            buffers = dict(zip(names, self.split(outs)))
         res = _core_bwd(
             x, weight, bias, dout, seq_idx, initial_states, dfinal,
             return_dinitial_states=initial_states is not None,

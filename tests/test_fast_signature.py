@@ -173,3 +173,15 @@ def test_backward_lean_key_takes_buffers_for_every_result_or_none():
     assert key(None, None, False, dx, dw, db, None) == (None, None)  # dbias without bias
     assert key(b, init, True, dx, dw, db, None) == (None, None)  # dinitial_states missing
     assert key(b, None, False, dx, None, db, None) == (None, None)  # dweight missing
+
+
+def test_guards_between_present_arrays_only():
+    """A FastCall guards each written buffer against every array before it; pairs with an
+    absent array (no span: absent under the same signature) are left out, and byte ranges that
+    meet send the call the full way."""
+    spans = ((0, 99), None, (0, 9), (0, 9))  # an input, an absent input, two written buffers
+    fast = _fast.FastCall(Torch, 0, None, (), _fast.written_guards(1, 3), spans)
+    assert [(w, o) for w, o, _, _ in fast.checks] == [(2, 0), (3, 0), (3, 2)]
+    assert fast.clear([1000, 0, 2000, 3000])
+    assert not fast.clear([1000, 0, 1050, 3000])  # buffer 2 inside the input
+    assert not fast.clear([1000, 0, 2000, 2005])  # the two buffers meet
