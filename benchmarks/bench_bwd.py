@@ -34,9 +34,9 @@ with median and spread, copy/time, JSON and chart); this script adds two tables.
   (``jax.grad`` of a scalar loss would add a reduction over out that the torch rows do not pay).
 - ``jax conv``: the same step through ``lax.conv_general_dilated(feature_group_count=dim)``,
   float32 accumulation, one rounding.
-- JAX arrays are row-major: for channel-last cases x and dout are [batch, seqlen, dim] arrays
-  and the cupyconv step transposes them around the call (XLA decides whether that copies);
-  ``jax conv`` reads them in place ("NHC"). The JAX rows are timed on the host: n steps, then
+- JAX arrays are row-major: for channel-last cases x and dout are [batch, seqlen, dim] arrays,
+  which ``cupyconv.jax`` takes with ``channel_last=True`` and ``jax conv`` as "NHC", both in
+  place. The JAX rows are timed on the host: n steps, then
   ``block_until_ready`` on the last.
 
 Every provider is checked first against ``cupyconv.reference`` on all batch rows and a spread
@@ -414,15 +414,11 @@ def jax_step(case: Case, env: Env, conv, x, weight, bias, dout):
 
 
 def cupyconv_jax_conv(case: Case, env: Env):
-    """conv(x, weight, bias) through ``cupyconv.jax.causal_conv1d_fn``, x in the case's order."""
-    import jax.numpy as jnp
-
+    """conv(x, weight, bias) through ``cupyconv.jax.causal_conv1d_fn``, x in the case's order
+    (``channel_last`` for [batch, seqlen, dim] arrays)."""
     fn = env.cupyconv_jax.causal_conv1d_fn
-    if case.layout == "cf":
-        return lambda x, w, b: fn(x, w, b, activation=case.activation)
-    return lambda x, w, b: jnp.swapaxes(
-        fn(jnp.swapaxes(x, 1, 2), w, b, activation=case.activation), 1, 2
-    )
+    channel_last = case.layout != "cf"
+    return lambda x, w, b: fn(x, w, b, activation=case.activation, channel_last=channel_last)
 
 
 def lax_conv(case: Case, env: Env):

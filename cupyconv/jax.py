@@ -20,6 +20,11 @@ transformation (``jit``, ``grad``, ``scan``) the platform XLA lowers for, throug
 ``jax.lax.platform_dependent``. ``final_states`` (and every other result) is a dense row-major
 JAX array: ``[batch, dim, width - 1]`` as its shape says (the core lays it out
 ``[batch, width - 1, dim]``; XLA arrays have one layout).
+
+``channel_last=True`` takes and gives the sequence arrays as ``[batch, seqlen, dim]`` (x, dout,
+out, dx) and the states as ``[batch, width - 1, dim]``: the layout of a model that keeps its
+activations [batch, seqlen, dim]. The kernels read those buffers in place, as the core reads a
+channel-last view, so no transpose runs around the call.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def causal_conv1d_fn(
     initial_states=None,
     return_final_states=False,
     activation=None,
+    *,
+    channel_last=False,
 ):
     """Causal depthwise conv1d (``cupyconv.causal_conv1d_fn``) for JAX arrays, differentiable in
     x, weight, bias and initial_states (seq_idx has no gradient).
@@ -69,16 +76,19 @@ def causal_conv1d_fn(
     return_final_states: also return final_states [batch, dim, width - 1] (dtype of x,
                     row-major), the initial_states of the next chunk
     activation:     None, "silu" or "swish"
+    channel_last:   x, initial_states, out and final_states as [batch, seqlen, dim] and
+                    [batch, width - 1, dim] arrays instead (seq_idx stays [batch, seqlen])
     Returns out [batch, dim, seqlen] (dtype of x, row-major), or (out, final_states). No output
     buffers: JAX arrays are immutable. Arguments may be JAX arrays (concrete or traced) or numpy
     arrays; invalid ones raise ValueError/TypeError naming the argument, at trace time under jit.
     """
     args = _arrays(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states)
+    channel_last = _check_channel_last(channel_last, x, weight, initial_states=initial_states)
     call = _ForwardCall(
-        *_stand_ins(args), return_final_states=return_final_states, final_states_out=None,
-        activation=activation, out=None,
+        *_stand_ins(args, channel_last), return_final_states=return_final_states,
+        final_states_out=None, activation=activation, out=None,
     )  # fmt: skip
-    return _conv(*args, call.silu, call.return_final_states)
+    return _conv(*args, call.silu, call.return_final_states, channel_last)
 
 
 def causal_conv1d_bwd(
@@ -92,6 +102,7 @@ def causal_conv1d_bwd(
     *,
     return_dinitial_states=False,
     activation=None,
+    channel_last=False,
 ):
     """The vector-Jacobian product of ``causal_conv1d_fn`` (``cupyconv.causal_conv1d_bwd``) for
     JAX arrays; what ``jax.grad`` of ``causal_conv1d_fn`` runs.
@@ -103,17 +114,22 @@ def causal_conv1d_bwd(
     Returns (dx, dweight, dbias, dinitial_states): dx [batch, dim, seqlen] in x's dtype, dweight
     and dbias in the dtypes of weight and bias (dbias None without bias), dinitial_states
     [batch, dim, width - 1] in x's dtype when return_dinitial_states and initial_states is
-    given, else None. No dx buffer: JAX arrays are immutable.
+    given, else None. No dx buffer: JAX arrays are immutable. channel_last: x, dout and dx as
+    [batch, seqlen, dim], the states as [batch, width - 1, dim] (``causal_conv1d_fn``).
     """
     args = _arrays(
         x=x, weight=weight, bias=bias, dout=dout, seq_idx=seq_idx,
         initial_states=initial_states, dfinal_states=dfinal_states,
     )  # fmt: skip
+    channel_last = _check_channel_last(
+        channel_last, x, weight, dout=dout, initial_states=initial_states,
+        dfinal_states=dfinal_states,
+    )  # fmt: skip
     call = _BackwardCall(
-        *_stand_ins(args), dx=None, return_dinitial_states=return_dinitial_states,
+        *_stand_ins(args, channel_last), dx=None, return_dinitial_states=return_dinitial_states,
         activation=activation, dweight_out=None, dbias_out=None, dinitial_states_out=None,
     )  # fmt: skip
-    dx, dweight, dbias, dinit = _backward(*args, call.silu)
+    dx, dweight, dbias, dinit = _backward(*args, call.silu, channel_last)
     return dx, dweight, dbias, dinit if call.want_dinit else None
 
 
@@ -137,21 +153,22 @@ _eager: dict = {}
 # ---- the differentiable function ---------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _conv(x, weight, bias, seq_idx, initial_states, silu, final):
-    return _forward((x, weight, bias, seq_idx, initial_states), silu, final)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _conv(x, weight, bias, seq_idx, initial_states, silu, final, channel_last):
+    return _forward((x, weight, bias, seq_idx, initial_states), silu, final, channel_last)
 
 
-def _conv_fwd(x, weight, bias, seq_idx, initial_states, silu, final):
+def _conv_fwd(x, weight, bias, seq_idx, initial_states, silu, final, channel_last):
     arrays = (x, weight, bias, seq_idx, initial_states)
-    return _forward(arrays, silu, final), arrays  # saved: the inputs (the output is not)
+    # saved: the inputs (the output is not)
+    return _forward(arrays, silu, final, channel_last), arrays
 
 
-def _conv_bwd(silu, final, saved, cotangents):
+def _conv_bwd(silu, final, channel_last, saved, cotangents):
     x, weight, bias, seq_idx, initial_states = saved
     dout, dfinal = cotangents if final else (cotangents, None)
     dx, dweight, dbias, dinit = _backward(
-        x, weight, bias, dout, seq_idx, initial_states, dfinal, silu
+        x, weight, bias, dout, seq_idx, initial_states, dfinal, silu, channel_last
     )
     if dinit is not None:  # x's dtype; a cotangent takes its primal's
         dinit = dinit.astype(initial_states.dtype)
@@ -161,17 +178,17 @@ def _conv_bwd(silu, final, saved, cotangents):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def _forward(arrays, silu: bool, final: bool):
+def _forward(arrays, silu: bool, final: bool, channel_last: bool):
     """out, or (out, final_states), of validated arrays (x, weight, bias, seq_idx,
     initial_states)."""
-    results = _run(_Forward(silu, final, _types(*arrays)), arrays)
+    results = _run(_Forward(silu, final, _types(*arrays), channel_last), arrays)
     return tuple(results) if final else results[0]
 
 
-def _backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, silu):
+def _backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, silu, channel_last):
     """(dx, dweight, dbias or None, dinitial_states or None) of validated arrays."""
     arrays = (x, weight, bias, dout, seq_idx, initial_states, dfinal)
-    op = _Backward(silu, _types(*arrays))
+    op = _Backward(silu, _types(*arrays), channel_last)
     results = iter(_run(op, arrays))
     dx, dweight = next(results), next(results)
     dbias = None if bias is None else next(results)
@@ -187,20 +204,29 @@ _ops: dict = {}
 
 class _Op:
     """The static configuration of one operator call (a frozen dataclass in each subclass), with
-    ``types``: (shape, dtype) per input, None where absent. A subclass gives ``results()``, the
-    ShapeDtypeStructs of its results, and ``__call__(inputs, outs=None)``: cupyconv's public
-    function on ``inputs`` (numpy or CuPy arrays), written into ``outs`` when given; returns the
-    tuple of results.
+    ``types``: (shape, dtype) per input, None where absent, and ``channel_last``: the
+    sequence and state arrays (every 3-D one) come as [batch, *, dim] (``core``). A subclass
+    gives ``results()``, the ShapeDtypeStructs of its results, and ``__call__(inputs,
+    outs=None)``: cupyconv's public function on ``inputs`` (numpy or CuPy arrays in the core's
+    [batch, dim, *] view), written into ``outs`` when given; returns the tuple of results.
 
     ``_run`` keeps one instance per configuration (``_ops``), so that its bound methods, the
     callbacks JAX caches on, are equal from call to call (a bound method compares its instance
     by identity): eager calls compile once per configuration.
     """
 
+    def core(self, arrays) -> tuple:
+        """``arrays`` (numpy or CuPy, None where absent) as the core takes them: with
+        ``channel_last``, each 3-D one ([batch, *, dim]) viewed as [batch, dim, *] (no copy);
+        the same views turn the core's results back."""
+        if not self.channel_last:
+            return tuple(arrays)
+        return tuple(a.transpose(0, 2, 1) if a is not None and a.ndim == 3 else a for a in arrays)
+
     def host(self, *arrays) -> tuple:
         """Runs on the host with CPU arrays (JAX or numpy): cupyconv's CPU path, numpy results."""
-        inputs = tuple(None if a is None else np.asarray(a) for a in arrays)
-        return tuple(np.asarray(r) for r in self(inputs))
+        inputs = self.core(None if a is None else np.asarray(a) for a in arrays)
+        return tuple(np.asarray(r) for r in self.core(self(inputs)))
 
     def launch(self, ctx, outs, *buffers) -> None:
         """Runs inside XLA's execution with device buffers: wraps them as CuPy arrays (no copy)
@@ -224,11 +250,11 @@ class _Op:
 
         device = int(outs[0].__dlpack_device__()[1])
         with cupy.cuda.Device(device), _external_stream(cupy, ctx.stream):
-            inputs = tuple(
+            inputs = self.core(
                 None if b is None else _cupy_view(cupy, b, t[1], device)
                 for b, t in zip(buffers, self.types)
             )
-            results = tuple(
+            results = self.core(
                 _cupy_view(cupy, b, r.dtype, device) for b, r in zip(outs, self.results())
             )
             self(inputs, results)
@@ -253,12 +279,14 @@ class _Forward(_Op):
     silu: bool
     final: bool
     types: tuple
+    channel_last: bool = False
 
     def results(self) -> tuple:
         x_shape, dtype = self.types[0]
-        batch, dim, _ = x_shape
+        batch, dim = (x_shape[0], x_shape[2]) if self.channel_last else x_shape[:2]
         width = self.types[1][0][1]
-        shapes = [x_shape, (batch, dim, width - 1)] if self.final else [x_shape]
+        final = (batch, width - 1, dim) if self.channel_last else (batch, dim, width - 1)
+        shapes = [x_shape, final] if self.final else [x_shape]
         return tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
 
     def pointers(self, inputs: list[int], results: list[int]) -> list[int]:
@@ -292,6 +320,7 @@ class _Backward(_Op):
 
     silu: bool
     types: tuple
+    channel_last: bool = False
 
     def results(self) -> tuple:
         x, weight, bias, _, _, initial_states, _ = self.types
@@ -468,13 +497,39 @@ def _arrays(**named) -> tuple:
     )
 
 
-def _stand_ins(arrays) -> tuple:
+def _stand_ins(arrays, channel_last: bool = False) -> tuple:
     """Data-free numpy arrays of the shapes and dtypes of ``arrays`` (zero strides), on which
     the core's own argument checks (``_ForwardCall``, ``_BackwardCall``) run: the same checks
-    and messages as the core, on tracers too."""
-    return tuple(
-        None if a is None else np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in arrays
-    )
+    and messages as the core, on tracers too. With ``channel_last``, 3-D ones in the core's
+    view ([batch, *, dim] as [batch, dim, *])."""
+    found = (None if a is None else np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in arrays)
+    if not channel_last:
+        return tuple(found)
+    return tuple(a.transpose(0, 2, 1) if a is not None and a.ndim == 3 else a for a in found)
+
+
+def _check_channel_last(channel_last, x, weight, **sequences) -> bool:
+    """``channel_last`` as a bool; with it, the 3-D ``sequences`` (by name: dout,
+    initial_states, dfinal_states) checked against x [batch, seqlen, dim] and weight [dim,
+    width] in the terms the caller used (the core's checks then see the transposed views, and
+    would name their shapes in its own terms)."""
+    if type(channel_last) is not bool:
+        raise TypeError(f"channel_last must be a bool; got {type(channel_last).__name__}")
+    if not channel_last or x is None or weight is None or x.ndim != 3 or weight.ndim != 2:
+        return channel_last  # (the core names what is wrong with x or weight)
+    batch, seqlen, dim = x.shape
+    states = (batch, weight.shape[1] - 1, dim)
+    for name, a in sequences.items():
+        want, described = (
+            ((batch, seqlen, dim), "(batch, seqlen, dim) of x")
+            if name == "dout"
+            else (states, "(batch, width - 1, dim) from x and weight")
+        )
+        if a is not None and tuple(a.shape) != want:
+            raise ValueError(
+                f"{name} must have shape {described} = {want} (channel_last); got {tuple(a.shape)}"
+            )
+    return channel_last
 
 
 def _types(*arrays) -> tuple:

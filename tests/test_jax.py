@@ -355,6 +355,66 @@ def test_bwd(on_cpu, dinit):
     check_grads(inputs, grads)
 
 
+CHANNEL_LAST = ("f32-all", "bf16-w32-seq-init", "bf16-init32-final", "f32-short-states")
+
+
+def cl(a):
+    """[batch, dim, *] <-> [batch, *, dim] (None kept)."""
+    return None if a is None else jnp.swapaxes(a, 1, 2)
+
+
+def check_channel_last(inputs: Inputs, mode: str):
+    """causal_conv1d_fn(channel_last=True) on the case's arrays laid out [batch, seqlen, dim]
+    and [batch, width - 1, dim]: out, final_states and the gradients, turned back, against the
+    reference; the results on those layouts."""
+    seq = None if inputs.seq_idx is None else jnp.asarray(inputs.seq_idx)
+    acc = jnp.float64 if inputs.dtypes["x"] == "float64" else jnp.float32
+    dout = jnp.asarray(inputs.dout, acc)
+    dfinal = None if inputs.dfinal is None else jnp.asarray(inputs.dfinal, acc)
+
+    def run(diff):
+        res = cj.causal_conv1d_fn(
+            cl(diff["x"]), diff["weight"], diff.get("bias"), seq, cl(diff.get("initial_states")),
+            inputs.final, inputs.activation, channel_last=True,
+        )  # fmt: skip
+        return (cl(res[0]), cl(res[1])) if inputs.final else cl(res)
+
+    def loss(diff):
+        res = run(diff)
+        out, final = res if inputs.final else (res, None)
+        total = jnp.sum(out.astype(acc) * dout)
+        return total if final is None else total + jnp.sum(final.astype(acc) * dfinal)
+
+    grad = jax.grad(loss)
+    if mode == "jit":
+        run, grad = jax.jit(run), jax.jit(grad)
+    check_results(inputs, run(inputs.arrays()))
+    check_grads(inputs, grad(inputs.arrays()))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("case", CHANNEL_LAST)
+def test_channel_last(on_cpu, case, mode):
+    check_channel_last(Inputs(CASES[case], seed=4), mode)
+
+
+def test_channel_last_bwd(on_cpu):
+    """The public backward with channel_last: dx and dinitial_states as [batch, *, dim]."""
+    inputs = Inputs(Case(dtype="bfloat16", wdtype="float32", seq_idx=True, init=True, final=True))
+    a = inputs.arrays()
+    dout, dfinal = (jnp.asarray(g, jnp.bfloat16) for g in (inputs.dout, inputs.dfinal))
+    dx, dweight, dbias, dinit = jax.jit(
+        lambda a, dout, dfinal: cj.causal_conv1d_bwd(
+            cl(a["x"]), a["weight"], a["bias"], cl(dout), jnp.asarray(inputs.seq_idx),
+            cl(a["initial_states"]), cl(dfinal), return_dinitial_states=True,
+            activation="silu", channel_last=True,
+        )
+    )(a, dout, dfinal)  # fmt: skip
+    assert dx.shape == (2, 19, 5) and dinit.shape == (2, 3, 5)
+    grads = {"x": cl(dx), "weight": dweight, "bias": dbias, "initial_states": cl(dinit)}
+    check_grads(inputs, grads)
+
+
 def test_numpy_arguments_are_accepted(on_cpu):
     inputs = Inputs(Case(init=True, final=True))
     args = {k: v.astype(np.float32) for k, v in inputs.values.items()}
@@ -441,6 +501,51 @@ def test_invalid_arguments(on_cpu, changes, exc, match, mode):
         fn(arrays)
 
 
+CHANNEL_LAST_INVALID = {
+    "flag": ({}, "yes", TypeError, r"^channel_last must be a bool; got str"),
+    # (2, 5, 3) is the state shape without channel_last
+    "initial_states": (
+        {"initial_states": jnp.zeros((2, 5, 3))},
+        True,
+        ValueError,
+        r"^initial_states must have shape \(batch, width - 1, dim\) from x and weight = "
+        r"\(2, 3, 5\) \(channel_last\); got \(2, 5, 3\)$",
+    ),
+    "seq_idx": (
+        {"seq_idx": jnp.zeros((2, 5), jnp.int32)},
+        True,
+        ValueError,
+        r"^seq_idx must have shape \(batch, seqlen\) of x = \(2, 7\); got \(2, 5\)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag", "exc", "match"), CHANNEL_LAST_INVALID.values(), ids=CHANNEL_LAST_INVALID
+)
+def test_invalid_channel_last_arguments(on_cpu, changes, flag, exc, match):
+    """x [batch, seqlen, dim] = (2, 7, 5): the states' shapes named in channel-last terms."""
+    kwargs = _args(**{"x": jnp.zeros((2, 7, 5)), "initial_states": jnp.zeros((2, 3, 5)), **changes})
+    with pytest.raises(exc, match=match):
+        cj.causal_conv1d_fn(**kwargs, channel_last=flag)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "match"),
+    [("dout", (2, 5, 7), r"^dout must have shape \(batch, seqlen, dim\) of x = \(2, 7, 5\)"),
+     ("dfinal_states", (2, 5, 3), r"^dfinal_states must have shape \(batch, width - 1, dim\)")],
+)  # fmt: skip
+def test_invalid_channel_last_bwd_arguments(on_cpu, name, shape, match):
+    kwargs = {"dout": jnp.zeros((2, 7, 5)), "dfinal_states": jnp.zeros((2, 3, 5))}
+    kwargs[name] = jnp.zeros(shape)
+    with pytest.raises(ValueError, match=match):
+        cj.causal_conv1d_bwd(
+            jnp.zeros((2, 7, 5)), jnp.zeros((5, 4)), None, kwargs["dout"],
+            initial_states=jnp.zeros((2, 3, 5)), dfinal_states=kwargs["dfinal_states"],
+            channel_last=True,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("name", "shape", "match"),
     [("dout", (2, 5, 6), r"^dout must have shape"), ("dfinal_states", (2, 5, 2), r"^dfinal_s")],
@@ -485,6 +590,22 @@ def test_lowering_for_cuda_holds_the_buffer_callback(fn):
     assert cuda == {"xla_buffer_python_gpu_callback"}, cuda
     cpu = _custom_calls(_lowered(fn, *args, platform="cpu"))
     assert cpu == {"xla_ffi_python_cpu_callback"}, cpu
+
+
+def test_channel_last_lowers_without_transposes():
+    """With channel_last the kernels read and write the [batch, seqlen, dim] buffers in place:
+    the lowered step (forward and gradient) has the buffer callbacks and no transpose."""
+
+    def loss(x, w, init):
+        out, final = cj.causal_conv1d_fn(
+            x, w, None, None, init, True, "silu", channel_last=True
+        )  # fmt: skip
+        return jnp.sum(out) + jnp.sum(final)
+
+    args = (jnp.zeros((2, 16, 5)), jnp.zeros((5, 4)), jnp.zeros((2, 3, 5)))
+    text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args, platform="cuda")
+    assert _custom_calls(text) == {"xla_buffer_python_gpu_callback"}
+    assert "transpose" not in text, text
 
 
 class HostBuffer:
@@ -539,20 +660,26 @@ def _buffers(arrays):
     return [None if a is None else HostBuffer(np.asarray(a)) for a in arrays]
 
 
-def test_gpu_callback_forward_writes_xla_buffers(on_cpu, monkeypatch):
+@pytest.mark.parametrize("channel_last", [False, True], ids=["cf", "cl"])
+def test_gpu_callback_forward_writes_xla_buffers(on_cpu, monkeypatch, channel_last):
     """The buffer callback body, run on host buffers: it wraps the buffers with the traced dtypes,
     enters the device and XLA's stream, and has cupyconv.causal_conv1d_fn write out and
-    final_states into the result buffers."""
+    final_states into the result buffers (channel_last: [batch, *, dim] buffers, read and
+    written through the core's transposed views)."""
     inputs = Inputs(Case(dtype="bfloat16", seq_idx=True, init=True, final=True), seed=5)
     a = inputs.arrays()
-    arrays = (a["x"], a["weight"], a["bias"], jnp.asarray(inputs.seq_idx), a["initial_states"])
-    op = cj._Forward(True, True, cj._types(*arrays))
+    lay = cl if channel_last else (lambda t: t)
+    arrays = (
+        lay(a["x"]), a["weight"], a["bias"], jnp.asarray(inputs.seq_idx),
+        lay(a["initial_states"]),
+    )  # fmt: skip
+    op = cj._Forward(True, True, cj._types(*arrays), channel_last)
     seen = {}
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(seen))
     outs = tuple(HostBuffer(np.full(r.shape, np.nan, r.dtype)) for r in op.results())
     op.launch(types.SimpleNamespace(stream=0xC0FFEE), outs, *_buffers(arrays))
     assert seen == {"device": 3, "stream": (0, 0xC0FFEE)}
-    check_results(inputs, tuple(b.a for b in outs))
+    check_results(inputs, tuple(lay(jnp.asarray(b.a)) for b in outs))
 
 
 def test_gpu_callback_backward_writes_xla_buffers(on_cpu, monkeypatch):
@@ -629,6 +756,13 @@ def test_gpu_grad(on_gpu, case, mode):
         for a in grads.values():
             assert a.devices() == {on_gpu}
         check_grads(inputs, grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("case", CHANNEL_LAST)
+def test_gpu_channel_last(on_gpu, case, mode):
+    check_channel_last(Inputs(CASES[case], seed=4), mode)
 
 
 @pytest.mark.gpu
