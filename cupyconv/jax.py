@@ -38,6 +38,7 @@ import numpy as np
 
 from . import _fast
 from ._arrays import remember
+from ._validate import MAX_WIDTH
 from .backward import _BackwardCall
 from .backward import causal_conv1d_bwd as _core_bwd
 from .backward import lean_key as _backward_lean_key
@@ -83,7 +84,7 @@ def causal_conv1d_fn(
     arrays; invalid ones raise ValueError/TypeError naming the argument, at trace time under jit.
     """
     args = _arrays(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states)
-    channel_last = _check_channel_last(channel_last, x, weight, initial_states=initial_states)
+    channel_last = _check_channel_last(channel_last, x, weight, bias, initial_states=initial_states)
     call = _ForwardCall(
         *_stand_ins(args, channel_last), return_final_states=return_final_states,
         final_states_out=None, activation=activation, out=None,
@@ -122,7 +123,7 @@ def causal_conv1d_bwd(
         initial_states=initial_states, dfinal_states=dfinal_states,
     )  # fmt: skip
     channel_last = _check_channel_last(
-        channel_last, x, weight, dout=dout, initial_states=initial_states,
+        channel_last, x, weight, bias, dout=dout, initial_states=initial_states,
         dfinal_states=dfinal_states,
     )  # fmt: skip
     call = _BackwardCall(
@@ -216,12 +217,8 @@ class _Op:
     """
 
     def core(self, arrays) -> tuple:
-        """``arrays`` (numpy or CuPy, None where absent) as the core takes them: with
-        ``channel_last``, each 3-D one ([batch, *, dim]) viewed as [batch, dim, *] (no copy);
-        the same views turn the core's results back."""
-        if not self.channel_last:
-            return tuple(arrays)
-        return tuple(a.transpose(0, 2, 1) if a is not None and a.ndim == 3 else a for a in arrays)
+        """``arrays`` in the core's order (``_core_order``) for this call's layout."""
+        return _core_order(arrays, self.channel_last)
 
     def host(self, *arrays) -> tuple:
         """Runs on the host with CPU arrays (JAX or numpy): cupyconv's CPU path, numpy results."""
@@ -500,34 +497,51 @@ def _arrays(**named) -> tuple:
 def _stand_ins(arrays, channel_last: bool = False) -> tuple:
     """Data-free numpy arrays of the shapes and dtypes of ``arrays`` (zero strides), on which
     the core's own argument checks (``_ForwardCall``, ``_BackwardCall``) run: the same checks
-    and messages as the core, on tracers too. With ``channel_last``, 3-D ones in the core's
-    view ([batch, *, dim] as [batch, dim, *])."""
-    found = (None if a is None else np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in arrays)
+    and messages as the core, on tracers too (``channel_last``: in the core's order)."""
+    return _core_order(
+        (None if a is None else np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in arrays),
+        channel_last,
+    )
+
+
+def _core_order(arrays, channel_last: bool) -> tuple:
+    """``arrays`` (numpy or CuPy, None where absent) as the core takes them: with
+    ``channel_last`` each 3-D one ([batch, *, dim]) viewed as [batch, dim, *], no copy (the
+    same view turns the core's 3-D results back)."""
     if not channel_last:
-        return tuple(found)
-    return tuple(a.transpose(0, 2, 1) if a is not None and a.ndim == 3 else a for a in found)
+        return tuple(arrays)
+    return tuple(a.transpose(0, 2, 1) if a is not None and a.ndim == 3 else a for a in arrays)
 
 
-def _check_channel_last(channel_last, x, weight, **sequences) -> bool:
-    """``channel_last`` as a bool; with it, the 3-D ``sequences`` (by name: dout,
-    initial_states, dfinal_states) checked against x [batch, seqlen, dim] and weight [dim,
-    width] in the terms the caller used (the core's checks then see the transposed views, and
-    would name their shapes in its own terms)."""
+def _check_channel_last(channel_last, x, weight, bias, **sequences) -> bool:
+    """``channel_last`` as a bool. With it, the arrays whose shapes follow x's are checked in
+    the terms the caller used (x [batch, seqlen, dim]): weight [dim, width], bias [dim], and
+    the 3-D ``sequences`` (by name: dout, initial_states, dfinal_states). The core's checks
+    then see the transposed views and find nothing more to say of those shapes (they would
+    name them in [batch, dim, seqlen] terms)."""
     if type(channel_last) is not bool:
         raise TypeError(f"channel_last must be a bool; got {type(channel_last).__name__}")
     if not channel_last or x is None or weight is None or x.ndim != 3 or weight.ndim != 2:
         return channel_last  # (the core names what is wrong with x or weight)
     batch, seqlen, dim = x.shape
-    states = (batch, weight.shape[1] - 1, dim)
-    for name, a in sequences.items():
-        want, described = (
-            ((batch, seqlen, dim), "(batch, seqlen, dim) of x")
-            if name == "dout"
-            else (states, "(batch, width - 1, dim) from x and weight")
-        )
-        if a is not None and tuple(a.shape) != want:
+    width = weight.shape[1]
+    # name: (array, its shape, the shape in words, the shape as the message shows it)
+    expected = {
+        "weight": (weight, (dim, width), "(dim, width) with dim = x.shape[2]", f"({dim}, *)")
+    }
+    if bias is not None:
+        expected["bias"] = (bias, (dim,), "(dim,) with dim = x.shape[2]", (dim,))
+    if 1 <= width <= MAX_WIDTH:  # (else the core names the width)
+        for name, a in sequences.items():
+            if name == "dout":
+                expected[name] = (a, x.shape, "(batch, seqlen, dim) of x", x.shape)
+            else:
+                states = (batch, width - 1, dim)
+                expected[name] = (a, states, "(batch, width - 1, dim) from x and weight", states)
+    for name, (a, want, described, shown) in expected.items():
+        if a is not None and tuple(a.shape) != tuple(want):
             raise ValueError(
-                f"{name} must have shape {described} = {want} (channel_last); got {tuple(a.shape)}"
+                f"{name} must have shape {described} = {shown} (channel_last); got {tuple(a.shape)}"
             )
     return channel_last
 

@@ -511,6 +511,20 @@ CHANNEL_LAST_INVALID = {
         r"^initial_states must have shape \(batch, width - 1, dim\) from x and weight = "
         r"\(2, 3, 5\) \(channel_last\); got \(2, 5, 3\)$",
     ),
+    # weight's dim is x's last: named first, before the states it would size
+    "weight": (
+        {"weight": jnp.zeros((7, 4)), "initial_states": jnp.zeros((2, 5, 3))},
+        True,
+        ValueError,
+        r"^weight must have shape \(dim, width\) with dim = x.shape\[2\] = \(5, \*\) "
+        r"\(channel_last\); got \(7, 4\)$",
+    ),
+    "bias": (
+        {"bias": jnp.zeros(7)},
+        True,
+        ValueError,
+        r"^bias must have shape \(dim,\) with dim = x.shape\[2\] = \(5,\) \(channel_last\)",
+    ),
     "seq_idx": (
         {"seq_idx": jnp.zeros((2, 5), jnp.int32)},
         True,
