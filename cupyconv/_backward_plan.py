@@ -115,12 +115,17 @@ FIELDS = (
 POINTERS = 13
 _SCRATCH = ("scratch_batch_stride", "scratch_c_stride", "scratch_l_stride")
 
+# Every backward kernel is launched as a programmatic dependent launch (``Launch.pdl``; each
+# begins with wait_for_previous_kernel()): on sm_90 its blocks are scheduled while the kernel
+# before it (the call's main kernel before bwd_reduce, the call before) finishes, 2-5 % of a
+# call on the H200 (benchmarks/NOTES.md, "Programmatic dependent launch of the backward").
 TIME = Kernel(
     "bwd_time", "bwd_time.cu", "BwdTimeParams",
     (
         "x_aligned", "dout_aligned", "dx_aligned", "chunk_divisor", "dim_divisor", "runs",
         "run_chunks", "whole_rows",
     ),
+    pdl=True,
 )  # fmt: skip
 CHANNEL = Kernel(
     "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
@@ -128,16 +133,18 @@ CHANNEL = Kernel(
         "dout_aligned", "dx_aligned", "rows16", "strip_divisor", "group_divisor",
         "group_tiles",
     ),
+    pdl=True,
 )  # fmt: skip
-DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH))
-DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH))
-WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH)
+DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH), pdl=True)
+DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH), pdl=True)
+WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH, pdl=True)
 MMA = Kernel(
     "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
     (
         "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "warp_bytes",
         "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "stage_at",
     ),
+    pdl=True,
 )  # fmt: skip
 MMA_BLOCK = Kernel(
     "bwd_mma_block", "bwd_mma.cu", "BwdMmaBlockParams",
@@ -145,6 +152,7 @@ MMA_BLOCK = Kernel(
         "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "x1_at", "dout0_at",
         "dout1_at", "dzl0_at", "dzl1_at", "frag_at", "pad_at", "scratch_at", "flags_at",
     ),
+    pdl=True,
 )  # fmt: skip
 WIDE = Kernel(
     "bwd_wide", "bwd_wide.cu", "BwdWideParams",
@@ -152,9 +160,10 @@ WIDE = Kernel(
         "x_channels_fastest", "dout_channels_fastest", "dx_channels_fastest", "seg_tiles",
         "row_slots", "tap_slots", "dz_at", "taps_at", "rtaps_at",
     ),
+    pdl=True,
 )  # fmt: skip
-STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams")
-REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams")
+STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams", pdl=True)
+REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams", pdl=True)
 KERNELS = (TIME, CHANNEL, MMA, MMA_BLOCK, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(

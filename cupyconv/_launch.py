@@ -23,7 +23,10 @@ class Launch:
     """One kernel launch as a plan decides it: template instance ``name`` of ``source``,
     ``grid`` blocks of ``block`` = (x, y) threads with ``smem`` bytes of dynamic shared memory,
     and ``plan_fields``: the values of the parameter fields the plan sets, which follow the
-    call's own fields in the kernel's parameter struct."""
+    call's own fields in the kernel's parameter struct. ``pdl``: launched as a programmatic
+    dependent launch where the device takes it (sm_90; ``_pdl``): the kernel may be scheduled
+    while the kernel before it finishes, and begins with ``wait_for_previous_kernel()``
+    (kernels/common.cuh)."""
 
     source: Source
     name: str
@@ -31,18 +34,23 @@ class Launch:
     block: tuple[int, int]
     smem: int = 0
     plan_fields: tuple[int, ...] = ()
+    pdl: bool = False
 
 
 class Kernel:
-    """A kernel template of an operator: its source file, its parameter struct, and the fields
-    of that struct its plan sets (after the operator's own fields). ``source`` (the file with
-    the operator's prelude) is set by :func:`bind_sources`."""
+    """A kernel template of an operator: its source file, its parameter struct, the fields of
+    that struct its plan sets (after the operator's own fields), and whether its launches are
+    programmatic dependent launches (``Launch.pdl``). ``source`` (the file with the operator's
+    prelude) is set by :func:`bind_sources`."""
 
-    __slots__ = ("template", "file", "params", "plan_fields", "source")
+    __slots__ = ("template", "file", "params", "plan_fields", "pdl", "source")
 
-    def __init__(self, template: str, file: str, params: str, plan_fields: tuple[str, ...] = ()):
+    def __init__(
+        self, template: str, file: str, params: str, plan_fields: tuple[str, ...] = (),
+        pdl: bool = False,
+    ):  # fmt: skip
         self.template, self.file, self.params = template, file, params
-        self.plan_fields, self.source = plan_fields, None
+        self.plan_fields, self.pdl, self.source = plan_fields, pdl, None
 
     def __repr__(self) -> str:
         return f"Kernel({self.template!r})"
@@ -52,7 +60,7 @@ class Kernel:
         if set(fields) != set(self.plan_fields):
             raise TypeError(f"{self.template} takes {self.plan_fields}; got {tuple(fields)}")
         values = tuple(int(fields[f]) for f in self.plan_fields)
-        return Launch(self.source, name, grid, block, smem, values)
+        return Launch(self.source, name, grid, block, smem, values, self.pdl)
 
 
 def bind_sources(kernels, origin: str, constants: dict[str, int], fields: tuple[str, ...]):
@@ -120,7 +128,13 @@ def launch(plan: Launch, device: int, params: ParamBlock, stream) -> None:
     cupy = _cupy or _load_cupy()
     stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
     function = loaded_kernel(plan, device, stream_ptr)
-    _launch_on(cupy, device, function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra)
+    config = _pdl_config(plan.grid, plan.block, plan.smem) if plan.pdl and _pdl(device) else None
+    args = (function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra, device, config)
+    if cupy.cuda.runtime.getDevice() == device:
+        _launch(cupy, *args)
+    else:
+        with cupy.cuda.Device(device):
+            _launch(cupy, *args)
 
 
 def loaded_kernel(plan: Launch, device: int, stream_ptr: int) -> int:
@@ -139,26 +153,77 @@ def loaded_kernel(plan: Launch, device: int, stream_ptr: int) -> int:
     return get_kernel(plan.source, plan.name, device).ptr
 
 
-def _launch_on(cupy, device, function, grid, block, smem, stream_ptr, extra) -> None:
-    if cupy.cuda.runtime.getDevice() == device:
-        _launch(cupy, function, grid, block, smem, stream_ptr, extra, device)
-    else:
-        with cupy.cuda.Device(device):
-            _launch(cupy, function, grid, block, smem, stream_ptr, extra, device)
-
-
-def _launch(cupy, function: int, grid, block, smem, stream: int, extra: int, device: int) -> None:
+def _launch(
+    cupy, function: int, grid, block, smem, stream: int, extra: int, device: int, config=None
+) -> None:
+    """One launch through the driver API: CuPy's cuLaunchKernel, or with ``config`` (a PDL
+    launch's, ``_pdl_config``) cuda.bindings' cuLaunchKernelEx."""
     driver = cupy.cuda.driver
     bx, by = block
     for attempt in range(2):
         try:
-            return driver.launchKernel(function, grid, 1, 1, bx, by, 1, smem, stream, 0, extra)
+            if config is None:
+                return driver.launchKernel(function, grid, 1, 1, bx, by, 1, smem, stream, 0, extra)
+            return _launch_pdl(config, _bindings.CUfunction(function), stream, extra)
         except driver.CUDADriverError as e:
             if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
                 raise
             # A thread that has not used CUDA yet has no current context: make the device's
             # primary context (where the kernel was loaded) current, and launch again.
             cupy.cuda.runtime.setDevice(device)
+
+
+# ---- programmatic dependent launch (PDL) -----------------------------------------------------
+
+_pdl_devices: dict[int, bool] = {}
+_bindings = None  # cuda.bindings.driver, imported with the first device that takes PDL
+
+
+def _pdl(device: int) -> bool:
+    """Whether launches on ``device`` whose plan asks for it are programmatic dependent launches:
+    compute capability 9.0 or newer, with cuda.bindings (cuLaunchKernelEx, which CuPy does not
+    have) importable. Elsewhere they launch as any other kernel (its wait is then a no-op)."""
+    found = _pdl_devices.get(device)
+    if found is None:
+        global _bindings
+        import cupy
+
+        found = int(cupy.cuda.Device(device).compute_capability) >= 90
+        if found:
+            try:
+                from cuda.bindings import driver
+            except ImportError:
+                found = False
+            else:
+                _bindings = driver
+        _pdl_devices[device] = found
+    return found
+
+
+def _pdl_config(grid: int, block: tuple[int, int], smem: int):
+    """A cuLaunchKernelEx configuration of ``grid`` x ``block`` threads and ``smem`` bytes of
+    dynamic shared memory with the programmatic stream serialization attribute (its stream is
+    set per launch)."""
+    config = _bindings.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = *block, 1
+    config.sharedMemBytes = smem
+    attribute = _bindings.CUlaunchAttribute()
+    attribute.id = (
+        _bindings.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    )
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attribute], 1
+    return config
+
+
+def _launch_pdl(config, function, stream: int, extra: int) -> None:
+    """Launch ``function`` (a cuda.bindings CUfunction) with ``config`` on ``stream``; a driver
+    error raises as CuPy's would."""
+    config.hStream = _bindings.CUstream(stream)
+    (err,) = _bindings.cuLaunchKernelEx(config, function, None, extra)
+    if err:
+        raise _DriverError(int(err))
 
 
 class Replay:
@@ -180,7 +245,7 @@ class Replay:
         _cupy or _load_cupy()  # what run() calls
         steps = tuple(
             (loaded_kernel(plan, device, stream_ptr), plan.grid, *plan.block, plan.smem,
-             params.values)
+             plan.pdl and _pdl(device), params.values)
             for plan, params in launches
         )  # fmt: skip
         self.local = _Steps(steps)
@@ -191,27 +256,40 @@ class Replay:
             with _cupy.cuda.Device(self.device):
                 return self.run(pointers, stream_ptr)
         pack = self.pack
-        for function, grid, bx, by, smem, words, extra in self.local.steps:
+        for function, grid, bx, by, smem, pdl, words, extra in self.local.steps:
             pack(words, _POINTERS_AT, *pointers)
             try:
-                _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
+                if pdl is None:
+                    _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
+                else:
+                    _launch_pdl(*pdl, stream_ptr, extra)
             except _DriverError:  # a thread without a current context: _launch retries
-                _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device)
+                config = None if pdl is None else pdl[0]
+                _launch(
+                    _cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device, config
+                )
 
 
 _POINTERS_AT = 8 * ParamBlock.HEADER  # the byte offset of the pointers in a ParamBlock's words
 
 
 class _Steps(threading.local):
-    """A Replay's launches with this thread's parameter buffers: built again, from the same
-    launches, in each thread that runs it (``threading.local`` calls ``__init__`` there)."""
+    """A Replay's launches with this thread's parameter buffers (and PDL launch configurations,
+    whose stream is set per launch): built again, from the same launches, in each thread that
+    runs it (``threading.local`` calls ``__init__`` there)."""
 
     def __init__(self, steps):
         self.steps = tuple(
-            (*step, block.words, block.extra)
-            for *step, values in steps
+            (function, grid, bx, by, smem, _pdl_launch(function, grid, (bx, by), smem) if pdl
+             else None, block.words, block.extra)
+            for function, grid, bx, by, smem, pdl, values in steps
             for block in (ParamBlock(values, writable=True),)
-        )
+        )  # fmt: skip
+
+
+def _pdl_launch(function: int, grid: int, block: tuple[int, int], smem: int) -> tuple:
+    """(configuration, cuda.bindings function) of a Replay's PDL launch (``_launch_pdl``)."""
+    return _pdl_config(grid, block, smem), _bindings.CUfunction(function)
 
 
 _cupy = None  # the cupy module, imported with the first launch

@@ -24,6 +24,7 @@
 
 template <typename T>
 __global__ void bwd_dz(BWD_ARRAYS, const __grid_constant__ BwdDzParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, total = batch * dim * seqlen;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total; i += (int64)gridDim.x * blockDim.x) {
@@ -43,6 +44,7 @@ __global__ void bwd_dz(BWD_ARRAYS, const __grid_constant__ BwdDzParams p) {
 
 template <typename T>
 __global__ void bwd_dx(BWD_ARRAYS, const __grid_constant__ BwdDxParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, total = batch * dim * seqlen;
     const int width = (int)p.width;
@@ -86,6 +88,7 @@ __device__ __forceinline__ A block_sum(A v, A* shared) {
 
 template <typename T>
 __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const __grid_constant__ BwdWeightParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     constexpr int RUN = WEIGHT_RUN;
     __shared__ A shared[WEIGHT_THREADS / 32];
@@ -138,6 +141,7 @@ __global__ void __launch_bounds__(WEIGHT_THREADS) bwd_weight(BWD_ARRAYS, const _
 
 template <typename T>
 __global__ void bwd_states(BWD_ARRAYS, const __grid_constant__ BwdStatesParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen;
     const int n = (int)p.width - 1;
@@ -179,6 +183,7 @@ __global__ void bwd_states(BWD_ARRAYS, const __grid_constant__ BwdStatesParams p
 
 template <typename T>
 __global__ void __launch_bounds__(32 * REDUCE_WARPS) bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     __shared__ A totals[REDUCE_WARPS][32];
     const int64 row = p.width + 1, sums = p.dim * row, n_parts = p.n_parts;

@@ -463,6 +463,7 @@ __device__ __forceinline__ float load_taps(const void* weight, const void* bias,
 template <typename T, int KS, int CL>
 __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARPS, 16 / (CL ? BWD_MMA_CL_WARPS : BWD_MMA_WARPS))
     bwd_mma(BWD_ARRAYS, const __grid_constant__ BwdMmaParams p) {
+    wait_for_previous_kernel();
     static_assert(same_type<T, bf16>, "bwd_mma takes bfloat16 x");
     static_assert(KS <= BWD_MMA_LAGS, "bwd_mma holds every lag's C_d (bwd_mma_block takes more)");
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
@@ -683,6 +684,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * BWD_MMA_BLOCK_WARPS, 16 / BWD_MMA_BLOCK_WARPS)
     bwd_mma_block(BWD_ARRAYS, const __grid_constant__ BwdMmaBlockParams p) {
+    wait_for_previous_kernel();
     static_assert(same_type<T, bf16>, "bwd_mma_block takes bfloat16 x");
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD, N = ToeplitzTaps<KS>::N;
     // Lags: warp w sums Q of its own, w + W l, over the block's spans, and every warp the last R

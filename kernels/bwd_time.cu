@@ -27,6 +27,7 @@
 
 template <typename T, int K, bool SEQ, int NV, int WARPS, int BUFS>
 __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / WARPS) bwd_time(BWD_ARRAYS, const __grid_constant__ BwdTimeParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
                 x_c_stride = p.x_c_stride, x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,

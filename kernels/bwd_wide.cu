@@ -239,6 +239,7 @@ __device__ __forceinline__ void store_rows(T* array, int64 c_stride, int64 l_str
 
 template <typename T>
 __global__ void __launch_bounds__(WIDE_THREADS, sizeof(T) == 8 ? 1 : WIDE_BLOCKS) bwd_wide(BWD_ARRAYS, const __grid_constant__ BwdWideParams p) {
+    wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
     constexpr int CG = WIDE_CHANNELS, TILE = WIDE_TILE, THREADS = WIDE_THREADS;
     static_assert(CG * TILE / 16 == THREADS && CG * 16 == THREADS, "a thread per 16 outputs, a half-warp a channel");

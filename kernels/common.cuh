@@ -94,6 +94,16 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with it (the plan's Launch.pdl) may
+// be scheduled while the kernel before it in the stream finishes, and waits here, before it
+// touches memory, until that kernel has completed and its writes are visible. Without it, and
+// below sm_90, a no-op.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // This warp's index in the grid and the number of warps in it.
 __device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
 __device__ __forceinline__ int64 grid_warps() { return (int64)gridDim.x * (blockDim.x / 32); }

@@ -624,3 +624,36 @@ def test_bitwise_repeatable_over_100_runs(layout):
     first = run()
     for _ in range(99):
         assert all(torch.equal(p, q) for p, q in zip(first, run()))
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+def test_back_to_back_calls_read_what_the_kernels_before_wrote(layout):
+    """Backward kernels are programmatic dependent launches (on sm_90 scheduled while the kernel
+    before them finishes). Calls in a row, nothing synchronised between them: each reads x
+    right after a torch copy wrote it, and dout = the call before's dx (no kernel between);
+    each call's results match the reference on the values its inputs held."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    shape, width = (2, 512, 4096), 4
+    w64 = rounded(rng, (shape[1], width), "bfloat16", scale=0.5)
+    b64 = rounded(rng, (shape[1],), "bfloat16")
+    w, b = to_gpu(w64, "bfloat16"), to_gpu(b64, "bfloat16")
+    sources = [to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16", layout) for _ in range(4)]
+    x = to_gpu(np.zeros(shape), "bfloat16", layout)
+    dout = to_gpu(rounded(rng, shape, "bfloat16"), "bfloat16", layout)
+    runs = []
+    for src in sources:
+        x.copy_(src)
+        dx, dw, db, _ = cupyconv.causal_conv1d_bwd(x, w, b, dout, activation="silu")
+        runs.append((src, dout, dx, dw, db))
+        dout = dx
+    torch.cuda.synchronize()
+    rtol, atol = max(GRAD_TOLERANCE[0], tolerance("bfloat16")[0]), GRAD_TOLERANCE[1]
+    atol *= (shape[0] * shape[2]) ** 0.5
+    for src, g, dx, dw, db in runs:
+        x64, g64 = (t.double().cpu().numpy() for t in (src, g))
+        rdx, rdw, rdb, _ = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation="silu")
+        assert_close(dx, rdx, "bfloat16", name="dx")
+        assert_close(dw, rdw, rtol=rtol, atol=atol, name="dweight")
+        assert_close(db, rdb, rtol=rtol, atol=atol, name="dbias")

@@ -173,3 +173,31 @@ def test_instance_table_covers_every_width():
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name
         )
+
+
+def test_programmatic_dependent_launches_wait_before_touching_memory():
+    """A kernel launched as a programmatic dependent launch may be scheduled while the kernel
+    before it runs: its body must begin with wait_for_previous_kernel() (every backward kernel
+    is launched so; the other operators' kernels are not)."""
+    from cupyconv._compile import kernel_dir
+    from cupyconv._update_plan import LEAN, UPDATE
+    from cupyconv._varlen_plan import VARLEN
+
+    pdl = set()
+    for kernel in (*_forward_plan.KERNELS, *_backward_plan.KERNELS, UPDATE, LEAN, VARLEN):
+        if not kernel.pdl:
+            continue
+        pdl.add(kernel.template)
+        text = (kernel_dir() / kernel.file).read_text()
+        head = f"{kernel.template}(BWD_ARRAYS, const __grid_constant__ {kernel.params} p) {{\n"
+        assert head in text, kernel
+        body = text.split(head, 1)[1]
+        assert body.startswith("    wait_for_previous_kernel();\n"), kernel
+    assert pdl == {k.template for k in _backward_plan.KERNELS}
+    assert all(launch_is_pdl(k) for k in _backward_plan.KERNELS)
+
+
+def launch_is_pdl(kernel) -> bool:
+    """Whether the Launch a plan makes of ``kernel`` carries its PDL flag."""
+    fields = {f: 0 for f in kernel.plan_fields}
+    return kernel.launch(f"{kernel.template}<float>", 1, (32, 1), **fields).pdl

@@ -108,15 +108,16 @@ def test_replay_parameter_buffers_are_per_thread():
     launch) belong to one thread each: a thread's launch never reads another's addresses."""
     from cupyconv import _launch
 
-    steps = ((7, 40, 128, 1, 0, (1, 2, 3)),)  # function, grid, block, smem, parameters
+    # function, grid, block, smem, PDL, parameters (no PDL launch: no launch configuration)
+    steps = ((7, 40, 128, 1, 0, False, (1, 2, 3)),)
     local = _launch._Steps(steps)
     theirs = []
     thread = threading.Thread(target=lambda: theirs.append(local.steps))
     thread.start()
     thread.join()
     (mine,), (other,) = local.steps, theirs[0]
-    assert mine[:5] == other[:5] == steps[0][:5]
-    assert mine[5] is not other[5] and mine[6] != other[6]  # own words, own `extra` address
-    for words, extra in ((mine[5], mine[6]), (other[5], other[6])):
+    assert mine[:5] == other[:5] == steps[0][:5] and mine[5] is other[5] is None
+    assert mine[6] is not other[6] and mine[7] != other[7]  # own words, own `extra` address
+    for words, extra in ((mine[6], mine[7]), (other[6], other[7])):
         assert extra == words.ctypes.data and list(words[_launch.ParamBlock.HEADER :]) == [1, 2, 3]
-    assert local.steps[0][5] is mine[5]  # the same thread keeps its buffers
+    assert local.steps[0][6] is mine[6]  # the same thread keeps its buffers
