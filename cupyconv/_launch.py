@@ -181,14 +181,18 @@ _bindings = None  # cuda.bindings.driver, imported with the first device that ta
 
 def _pdl(device: int) -> bool:
     """Whether launches on ``device`` whose plan asks for it are programmatic dependent launches:
-    compute capability 9.0 or newer, with cuda.bindings (cuLaunchKernelEx, which CuPy does not
-    have) importable. Elsewhere they launch as any other kernel (its wait is then a no-op)."""
+    compute capability 9.0 or newer, a driver of CUDA 12.3 or newer (which captures them into
+    CUDA graphs), and cuda.bindings (cuLaunchKernelEx, which CuPy does not have) importable.
+    Elsewhere they launch as any other kernel (its wait is then a no-op)."""
     found = _pdl_devices.get(device)
     if found is None:
         global _bindings
         import cupy
 
-        found = int(cupy.cuda.Device(device).compute_capability) >= 90
+        found = (
+            int(cupy.cuda.Device(device).compute_capability) >= 90
+            and cupy.cuda.runtime.driverGetVersion() >= 12030
+        )
         if found:
             try:
                 from cuda.bindings import driver

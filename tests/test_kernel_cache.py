@@ -121,3 +121,30 @@ def test_replay_parameter_buffers_are_per_thread():
     for words, extra in ((mine[6], mine[7]), (other[6], other[7])):
         assert extra == words.ctypes.data and list(words[_launch.ParamBlock.HEADER :]) == [1, 2, 3]
     assert local.steps[0][6] is mine[6]  # the same thread keeps its buffers
+
+
+@pytest.mark.parametrize(
+    ("capability", "driver", "bindings", "pdl"),
+    [("90", 13000, True, True), ("90", 12030, True, True), ("100", 12080, True, True),
+     ("90", 12020, True, False), ("89", 13000, True, False), ("80", 13000, True, False),
+     ("90", 13000, False, False)],
+)  # fmt: skip
+def test_programmatic_dependent_launch_needs_sm_90_a_cuda_12_3_driver_and_cuda_bindings(
+    monkeypatch, capability, driver, bindings, pdl
+):
+    """The backward's PDL launches are taken only where they work (captured into CUDA graphs
+    too); elsewhere its kernels launch through CuPy, their waits no-ops."""
+    from cupyconv import _launch
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(
+        Device=lambda index: types.SimpleNamespace(compute_capability=capability),
+        runtime=types.SimpleNamespace(driverGetVersion=lambda: driver),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    if not bindings:
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import raises ImportError
+    monkeypatch.setattr(_launch, "_pdl_devices", {})
+    monkeypatch.setattr(_launch, "_bindings", None)
+    assert _launch._pdl(3) is pdl
+    assert (_launch._bindings is not None) is pdl
