@@ -128,8 +128,10 @@ def launch(plan: Launch, device: int, params: ParamBlock, stream) -> None:
     cupy = _cupy or _load_cupy()
     stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
     function = loaded_kernel(plan, device, stream_ptr)
-    config = _pdl_config(plan.grid, plan.block, plan.smem) if plan.pdl and _pdl(device) else None
-    args = (function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra, device, config)
+    pdl = (
+        PdlLaunch(function, plan.grid, plan.block, plan.smem) if plan.pdl and _pdl(device) else None
+    )
+    args = (function, plan.grid, plan.block, plan.smem, stream_ptr, params.extra, device, pdl)
     if cupy.cuda.runtime.getDevice() == device:
         _launch(cupy, *args)
     else:
@@ -154,17 +156,17 @@ def loaded_kernel(plan: Launch, device: int, stream_ptr: int) -> int:
 
 
 def _launch(
-    cupy, function: int, grid, block, smem, stream: int, extra: int, device: int, config=None
+    cupy, function: int, grid, block, smem, stream: int, extra: int, device: int, pdl=None
 ) -> None:
-    """One launch through the driver API: CuPy's cuLaunchKernel, or with ``config`` (a PDL
-    launch's, ``_pdl_config``) cuda.bindings' cuLaunchKernelEx."""
+    """One launch through the driver API: CuPy's cuLaunchKernel, or ``pdl`` (the same launch as
+    a ``PdlLaunch``)."""
     driver = cupy.cuda.driver
     bx, by = block
     for attempt in range(2):
         try:
-            if config is None:
+            if pdl is None:
                 return driver.launchKernel(function, grid, 1, 1, bx, by, 1, smem, stream, 0, extra)
-            return _launch_pdl(config, _bindings.CUfunction(function), stream, extra)
+            return pdl(stream, extra)
         except driver.CUDADriverError as e:
             if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
                 raise
@@ -204,30 +206,35 @@ def _pdl(device: int) -> bool:
     return found
 
 
-def _pdl_config(grid: int, block: tuple[int, int], smem: int):
-    """A cuLaunchKernelEx configuration of ``grid`` x ``block`` threads and ``smem`` bytes of
-    dynamic shared memory with the programmatic stream serialization attribute (its stream is
-    set per launch)."""
-    config = _bindings.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
-    config.blockDimX, config.blockDimY, config.blockDimZ = *block, 1
-    config.sharedMemBytes = smem
-    attribute = _bindings.CUlaunchAttribute()
-    attribute.id = (
-        _bindings.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    )
-    attribute.value.programmaticStreamSerializationAllowed = 1
-    config.attrs, config.numAttrs = [attribute], 1
-    return config
+class PdlLaunch:
+    """A kernel's launch as a programmatic dependent launch: cuda.bindings' cuLaunchKernelEx of
+    ``function`` (a loaded kernel's handle) on ``grid`` x ``block`` threads with ``smem`` bytes
+    of dynamic shared memory and the programmatic stream serialization attribute. Its
+    configuration is built once; its stream is set when it changes. One thread's (a Replay
+    keeps one a thread)."""
 
+    __slots__ = ("config", "function", "stream")
 
-def _launch_pdl(config, function, stream: int, extra: int) -> None:
-    """Launch ``function`` (a cuda.bindings CUfunction) with ``config`` on ``stream``; a driver
-    error raises as CuPy's would."""
-    config.hStream = _bindings.CUstream(stream)
-    (err,) = _bindings.cuLaunchKernelEx(config, function, None, extra)
-    if err:
-        raise _DriverError(int(err))
+    def __init__(self, function: int, grid: int, block: tuple[int, int], smem: int):
+        b = _bindings
+        config = b.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = *block, 1
+        config.sharedMemBytes = smem
+        attribute = b.CUlaunchAttribute()
+        attribute.id = b.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attribute], 1
+        self.config, self.function, self.stream = config, b.CUfunction(function), None
+
+    def __call__(self, stream: int, extra: int) -> None:
+        """Launch on ``stream`` with the parameters at ``extra``; a driver error raises as
+        CuPy's would."""
+        if stream != self.stream:
+            self.config.hStream, self.stream = _bindings.CUstream(stream), stream
+        (err,) = _bindings.cuLaunchKernelEx(self.config, self.function, None, extra)
+        if err:
+            raise _DriverError(int(err))
 
 
 class Replay:
@@ -266,12 +273,9 @@ class Replay:
                 if pdl is None:
                     _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
                 else:
-                    _launch_pdl(*pdl, stream_ptr, extra)
+                    pdl(stream_ptr, extra)
             except _DriverError:  # a thread without a current context: _launch retries
-                config = None if pdl is None else pdl[0]
-                _launch(
-                    _cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device, config
-                )
+                _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device, pdl)
 
 
 _POINTERS_AT = 8 * ParamBlock.HEADER  # the byte offset of the pointers in a ParamBlock's words
@@ -284,16 +288,11 @@ class _Steps(threading.local):
 
     def __init__(self, steps):
         self.steps = tuple(
-            (function, grid, bx, by, smem, _pdl_launch(function, grid, (bx, by), smem) if pdl
+            (function, grid, bx, by, smem, PdlLaunch(function, grid, (bx, by), smem) if pdl
              else None, block.words, block.extra)
             for function, grid, bx, by, smem, pdl, values in steps
             for block in (ParamBlock(values, writable=True),)
         )  # fmt: skip
-
-
-def _pdl_launch(function: int, grid: int, block: tuple[int, int], smem: int) -> tuple:
-    """(configuration, cuda.bindings function) of a Replay's PDL launch (``_launch_pdl``)."""
-    return _pdl_config(grid, block, smem), _bindings.CUfunction(function)
 
 
 _cupy = None  # the cupy module, imported with the first launch

@@ -148,3 +148,52 @@ def test_programmatic_dependent_launch_needs_sm_90_a_cuda_12_3_driver_and_cuda_b
     monkeypatch.setattr(_launch, "_bindings", None)
     assert _launch._pdl(3) is pdl
     assert (_launch._bindings is not None) is pdl
+
+
+def test_pdl_launch_builds_its_configuration_once_and_sets_its_stream_when_it_changes(
+    monkeypatch,
+):
+    """A PdlLaunch (a Replay's, one a thread) configures grid, block, shared memory and the
+    PDL attribute once; a launch on the stream before sets nothing again; a driver error
+    raises as CuPy's does."""
+    from cupyconv import _launch
+
+    calls, streams = [], []
+
+    class Config:
+        pass
+
+    bindings = types.SimpleNamespace(
+        CUlaunchConfig=Config,
+        CUlaunchAttribute=lambda: types.SimpleNamespace(value=types.SimpleNamespace()),
+        CUlaunchAttributeID=types.SimpleNamespace(
+            CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION="pss"
+        ),
+        CUfunction=lambda handle: ("function", handle),
+        CUstream=lambda handle: streams.append(handle) or ("stream", handle),
+        cuLaunchKernelEx=lambda config, f, params, extra: (
+            calls.append((config, f, extra)) or (len(calls) == 3 and 700,)
+        ),
+    )
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    monkeypatch.setattr(_launch, "_bindings", bindings)
+    monkeypatch.setattr(_launch, "_DriverError", DriverError)
+    pdl = _launch.PdlLaunch(1234, 96, (128, 2), 4096)
+    config = pdl.config
+    grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
+    block = (config.blockDimX, config.blockDimY, config.blockDimZ)
+    assert grid == (96, 1, 1) and block == (128, 2, 1) and config.sharedMemBytes == 4096
+    (attribute,) = config.attrs
+    assert config.numAttrs == 1 and attribute.id == "pss"
+    assert attribute.value.programmaticStreamSerializationAllowed == 1
+    pdl(7, 111)
+    pdl(7, 222)
+    with pytest.raises(DriverError) as err:
+        pdl(8, 333)
+    assert err.value.status == 700
+    assert streams == [7, 8] and config.hStream == ("stream", 8)
+    assert calls == [(config, ("function", 1234), e) for e in (111, 222, 333)]
