@@ -45,6 +45,8 @@ CONSTANTS = {
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
+    "MMA_CL_WARPS": 4,  # fwd_mma_cl: warps a block, 8 channels each
+    "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
@@ -65,6 +67,11 @@ MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
+# fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 33; fwd_mma beyond,
+# faster there: benchmarks/NOTES.md, "fwd_mma_cl"); pieces of
+# rows of at most MMA_CL_LONGEST steps, halved down to MMA_CL_SHORTEST while the items would not
+# fill the device MMA_CL_WAVES times.
+MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_WAVES = 3, 1024, 256, 2
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -113,6 +120,10 @@ MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
     (*_ALIGNED, "span", "run", "sweep", "row_len", "staging_at", "weights_at", "out_at"),
 )  # fmt: skip
+MMA_CL = Kernel(
+    "fwd_mma_cl", "fwd_mma_cl.cu", "FwdMmaClParams",
+    (*_ALIGNED, "span", "pieces", "group_divisor", "piece_divisor", "taps_at"),
+)  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
     ("out_aligned", "cols", "tap_slots", "ids_at", "warp_bytes"),
@@ -127,7 +138,7 @@ CHANNEL_WIDE = Kernel(
 )  # fmt: skip
 GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",))
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
-KERNELS = (TIME, MMA, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
+KERNELS = (TIME, MMA, MMA_CL, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -143,8 +154,9 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     "final_states" the final states. Where the states allow them (``states_staged``), "mma"
     replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
-    x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on); time-contiguous float32 x
-    takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16 parts."""
+    x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up
+    to MMA_CL_MAX_STEPS k-steps; time-contiguous float32 x takes fwd_mma from
+    MMA_XSPLIT_MIN_WIDTH on, split into bfloat16 parts."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)
@@ -170,7 +182,10 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
                     continue  # (float16 x with other weights: the CUDA-core kernels)
                 warps = mma_cl_warps(ks, split) if cl else 0
                 name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"
-                table["mma" + cl_kind + ("_split" if split else "")] = (MMA, name)
+                kernel = MMA
+                if cl and ks <= MMA_CL_MAX_STEPS and not split:
+                    kernel, name = MMA_CL, f"fwd_mma_cl<{t}, {ks}>"
+                table["mma" + cl_kind + ("_split" if split else "")] = (kernel, name)
     if width <= (CHANNEL_NARROW_WIDTH if seq else CHANNEL_MAX_WIDTH):
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     if width > CHANNEL_NARROW_WIDTH and not seq:
@@ -240,6 +255,8 @@ def _plan_forward(
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
     kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
+    if kind in table and not time_major and x_c == 1 and table[kind][1].startswith("fwd_mma_cl<"):
+        return _plan_mma_cl(x, out, width, table[kind][1], device)
     if kind in table and (time_major or x_c == 1):
         return _plan_mma(
             x, out, width, table[kind][1], device, not time_major, kind.endswith("_split")
@@ -352,6 +369,34 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
         span=span, run=run, sweep=sweep, row_len=row_len, staging_at=staging_at,
         weights_at=weights_at, out_at=out_at,
+    )  # fmt: skip
+
+
+def _plan_mma_cl(x, out, width, name, device) -> Launch:
+    """A persistent grid of MMA_CL_WARPS-warp blocks, each taking items (32 channels, 8 units:
+    pieces of ``span`` steps of the batch rows) in turn. Shared memory: the ring (32 channels x
+    16 KS + 1 rows of 16 bytes), two staging buffers of a step (16 positions x 8 units x 64 bytes),
+    then each warp's taps (8 channels x 2 D + 32 word pairs) and 8 biases."""
+    batch, dim, seqlen = x.shape
+    ks = mma_steps(width)
+    warps = CONSTANTS["MMA_CL_WARPS"]
+    step = CONSTANTS["MMA_CL_STEP"]
+    taps_at = 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
+    smem = taps_at + warps * (8 * (32 * ks) + 8) * 4
+    groups = -(-dim // 32)
+
+    def items(span):
+        return groups * -(-(batch * -(-seqlen // span)) // 8)
+
+    resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
+    span = min(MMA_CL_LONGEST, -(-seqlen // step) * step)
+    while span > MMA_CL_SHORTEST and items(span) < MMA_CL_WAVES * resident:
+        span = max(MMA_CL_SHORTEST, span // 2 // step * step)
+    pieces = -(-seqlen // span)
+    return MMA_CL.launch(
+        name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem,
+        x_aligned=rows_aligned(x, 1), out_aligned=rows_aligned(out, 1), span=span, pieces=pieces,
+        group_divisor=fast_divisor(groups), piece_divisor=fast_divisor(pieces), taps_at=taps_at,
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 // fwd_mma.cu: the forward on tensor cores: 16-bit x from width 14 (time-contiguous) or 16
-// (channel-contiguous) to 256; time-contiguous float32 x, and float16 x with weights of another
-// dtype, from width 18.
+// (channel-contiguous: weights of another dtype, and from width 34; fwd_mma_cl.cu serves the
+// rest) to 256; time-contiguous float32 x, and float16 x with weights of another dtype, from
+// width 18.
 //
 //   fwd_mma<T, KS, SPLIT, CLW>
 //       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx (fwd_time_wide and fwd_channel_wide
@@ -212,16 +213,6 @@ __device__ __forceinline__ void row_outputs(T* row, const void* split, int row_l
         own_taps<T, KS>(row, n_out, wpad, rw.bias, x, initial_states, p, b, c, t0);
     }
     __syncwarp();
-}
-
-// The input at position pos of row (b, c) for a window slot: x, the initial states, or 0
-// (before the states, past the row, past the last channel).
-template <typename T, typename P>
-__device__ __forceinline__ T window_input(const T* x, const void* initial_states, const P& p, int64 b, int64 c,
-                                          int64 pos) {
-    if (c >= p.dim || pos >= p.seqlen || pos < -(p.width - 1)) return T();
-    return pos >= 0 ? x[b * p.x_batch_stride + c * p.x_c_stride + pos * p.x_l_stride]
-                    : from_acc<T>(input_at<float>(x, initial_states, p, b, c, pos));
 }
 
 // Inputs of a row's window: whole groups of chains past the outputs (zeros past the row).

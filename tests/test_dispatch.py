@@ -266,7 +266,7 @@ def test_channel_last_wide_filters_with_seq_idx_take_the_general_kernel(launches
     assert launched == "fwd_general<float>"
 
 
-H = "__half"
+H, B = "__half", "__nv_bfloat16"
 WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles above width 8
 
 
@@ -278,9 +278,12 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         # states of x's dtype
         (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
-        (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma<{H}, 3, false, 8>"),
+        (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 15
-        (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma<{H}, 2, false, 8>"),
+        (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
+        # fwd_mma_cl up to KS = MMA_CL_MAX_STEPS, fwd_mma's channel-contiguous form beyond
+        (F16, F16, None, 33, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
+        (F16, F16, None, 34, f"fwd_mma<{H}, 4, false, 0>", f"fwd_mma<{H}, 4, false, 8>"),
         (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(15)),
         (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(14)),
         (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", WIDE_CHANNEL.format(13)),
@@ -308,7 +311,18 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
     cupyconv.causal_conv1d_fn(x, FakeCudaArray((8, width), dtype=wdtype), initial_states=states)
     ((launched, plan, params),) = launches
     assert launched == name
-    if launched.startswith("fwd_mma"):
+    if launched.startswith("fwd_mma_cl<"):
+        fields = dict(zip(_forward_plan.MMA_CL.plan_fields, plan.plan_fields))
+        ks = _launch.mma_steps(width)
+        step = _forward_plan.CONSTANTS["MMA_CL_STEP"]
+        assert 16 * (ks - 1) >= width - 1 and fields["span"] % step == 0
+        assert fields["pieces"] == -(-300 // fields["span"])
+        assert plan.block == (32 * _forward_plan.CONSTANTS["MMA_CL_WARPS"], 1)
+        # the ring (32 channels x 16 KS + 1 rows of 16 bytes), two staging buffers, the taps
+        assert fields["taps_at"] == 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
+        assert plan.smem == fields["taps_at"] + 4 * (8 * 32 * ks + 8) * 4
+        assert plan.smem + 1024 <= SM90_SMEM + 1024
+    elif launched.startswith("fwd_mma"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
         ks = _launch.mma_steps(width)
         cl = layout == "cl"
@@ -369,7 +383,7 @@ def mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, resident):
         ((8, 5120, 2048), "float32", "float32", 64, "cf", False),
         ((1, 4096, 16384), "bfloat16", "bfloat16", 31, "cf", True),
         ((64, 1024, 512), "bfloat16", "bfloat16", 16, "cf", False),  # spans of 512
-        ((8, 5120, 2048), "bfloat16", "bfloat16", 16, "cl", False),
+        ((8, 5120, 2048), "bfloat16", "bfloat16", 100, "cl", False),  # KS 7: fwd_mma
     ],
 )  # fmt: skip
 def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layout, sweep):
@@ -384,23 +398,49 @@ def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layou
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 @pytest.mark.parametrize(
-    "wdtype,width,name,cl_warps",
+    "wdtype,width,name,cl_name",
     [
-        ("float32", 256, "fwd_mma<__nv_bfloat16, 17, true, 0>", 16),
-        ("float16", 33, "fwd_mma<__nv_bfloat16, 3, true, 0>", 16),
-        ("float16", 17, "fwd_mma<__nv_bfloat16, 2, true, 0>", 8),
-        ("bfloat16", 33, "fwd_mma<__nv_bfloat16, 3, false, 0>", 8),
-        ("bfloat16", 129, "fwd_mma<__nv_bfloat16, 9, false, 0>", 16),
-        ("bfloat16", 130, "fwd_mma<__nv_bfloat16, 10, false, 0>", 16),
+        ("float32", 256, f"fwd_mma<{B}, 17, true, 0>", f"fwd_mma<{B}, 17, true, 16>"),
+        ("float16", 33, f"fwd_mma<{B}, 3, true, 0>", f"fwd_mma<{B}, 3, true, 16>"),
+        ("float16", 17, f"fwd_mma<{B}, 2, true, 0>", f"fwd_mma<{B}, 2, true, 8>"),
+        ("bfloat16", 33, f"fwd_mma<{B}, 3, false, 0>", f"fwd_mma_cl<{B}, 3>"),
+        ("bfloat16", 129, f"fwd_mma<{B}, 9, false, 0>", f"fwd_mma<{B}, 9, false, 16>"),
+        ("bfloat16", 130, f"fwd_mma<{B}, 10, false, 0>", f"fwd_mma<{B}, 10, false, 16>"),
     ],
-)
-def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_warps, layout):
-    """bfloat16 x takes fwd_mma with any weights: split in two parts when they are wider;
-    channel-contiguous x in blocks of 8 warps where the split fragments leave the registers for
-    three blocks an SM, else 16."""
+)  # fmt: skip
+def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, layout):
+    """bfloat16 x takes the tensor cores with any weights: split in two parts when they are
+    wider; channel-contiguous x fwd_mma_cl with weights of its dtype up to KS =
+    MMA_CL_MAX_STEPS, else fwd_mma in blocks of 8 warps where the split fragments leave the
+    registers for three blocks an SM, else 16."""
     plan, fields = mma_plan(monkeypatch, (2, 64, 4096), layout, "bfloat16", wdtype, width, 132 * 8)
-    assert plan.name == (name.replace(", 0>", f", {cl_warps}>") if layout == "cl" else name)
+    assert plan.name == (cl_name if layout == "cl" else name)
     assert fields["x_aligned"] == 1
+
+
+@pytest.mark.parametrize(
+    "shape,resident,span",
+    [
+        ((8, 5120, 2048), 132 * 5, 256),  # 1280 items of 256 steps: 2 waves at the shortest
+        ((8, 5120, 2048), 132, 1024),  # 320 items of 1024 steps fill 132 blocks twice over
+        ((1, 4096, 16384), 132 * 5, 256),
+        ((2, 64, 40), 132 * 5, 48),  # rows shorter than a piece: one piece a row
+        ((64, 1024, 512), 64, 512),
+    ],
+)  # fmt: skip
+def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
+    """fwd_mma_cl cuts rows into pieces of up to MMA_CL_LONGEST steps, halved down to
+    MMA_CL_SHORTEST while its items (32 channels, 8 pieces) would not fill the device
+    MMA_CL_WAVES times; a persistent grid of at most the resident blocks."""
+    plan, _ = mma_plan(monkeypatch, shape, "cl", "bfloat16", "bfloat16", 16, resident)
+    fields = dict(zip(_forward_plan.MMA_CL.plan_fields, plan.plan_fields))
+    b, c, length = shape
+    assert plan.name == "fwd_mma_cl<__nv_bfloat16, 2>"
+    assert fields["span"] == span and fields["pieces"] == -(-length // span)
+    items = -(-c // 32) * -(-(b * fields["pieces"]) // 8)
+    assert plan.grid == min(items, resident)
+    assert fields["group_divisor"] == _launch.fast_divisor(-(-c // 32))
+    assert fields["piece_divisor"] == _launch.fast_divisor(fields["pieces"])
 
 
 def test_fast_divisor_is_exact():

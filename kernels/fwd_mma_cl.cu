@@ -1,0 +1,323 @@
+// fwd_mma_cl.cu: the forward on tensor cores for channel-contiguous 16-bit x (fwd_mma's banded
+// Toeplitz products), without time-contiguous rows.
+//
+//   fwd_mma_cl<T, KS>
+//       widths K with K - 1 <= D = 16 (KS - 1), no seq_idx, weights of x's dtype.
+//
+// A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
+// U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
+// m16n8k16 MMA. A block of MMA_CL_WARPS = 4 warps takes items (32 channels, 8 units), channel
+// group fastest, and walks its units' pieces together in steps of MMA_CL_STEP = 16 positions:
+// out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs t0 + o of every column, KS MMAs
+// of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp w computing channels 8 w ..
+// 8 w + 7 of the 32.
+//
+// Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
+// by cp.async into a staging buffer (one of two: the next step's copy is in flight while this
+// one is computed), are moved by the warp that copied them (positions w, w + 4, ..) into the
+// ring with one ldmatrix (8 units x 8 channels a matrix, a unit's 16 bytes a row) and one
+// stmatrix.trans (a channel's 8 units a row), and the block computes from the ring: channel c's
+// ring holds the last KS blocks of 16 positions, a position's 8 units in one 16-byte row, so one
+// ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g, tg): positions
+// 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
+// channels for each of a lane's four (position, unit) places, go back through the staging buffer
+// just read and out in 64-byte runs by the threads that copied them in. Channel c's ring rows
+// are rotated by c mod 8, and the staging buffer's 16-byte pieces swizzled, so that no access
+// meets a bank conflict.
+//
+// Every ring row is written (zeros before the states and past the row or the channels), since a
+// zero weight times a stale NaN would not be zero; a non-finite input meets the band's zero
+// weights all the same, so the outputs of a step that come out non-finite are computed again
+// from their own taps. p.x_aligned / p.out_aligned: every step of x / out starts on a 16-byte
+// boundary (else those pieces go element by element).
+#include "fwd_common.cuh"
+#include "mma_common.cuh"
+
+// The two 8x8 matrices whose rows lanes 0 .. 15 address, transposed (ldmatrix_x4_trans's first
+// two).
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_address(row)));
+}
+// The four 8x8 matrices whose rows lanes 8 q .. 8 q + 7 address, as they lie: r[q] holds, for
+// lane (g, tg), elements (g, 2 tg) and (g, 2 tg + 1) of matrix q.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+}
+// ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
+// column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
+__device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(smem_address(row)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#else
+    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q)
+    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
+    unsigned short col[8];
+    #pragma unroll
+    for (int g = 0; g < 8; ++g) {
+        unsigned w[4];
+        #pragma unroll
+        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
+        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
+        col[g] = (unsigned short)(j & 1 ? v >> 16 : v);
+    }
+    *reinterpret_cast<uint4*>(row) = *reinterpret_cast<const uint4*>(col);
+#endif
+}
+
+// The outputs of v (channels c .., position pos of row b) that are not finite, computed again
+// from their own taps. Out of line: it is rarely called.
+template <typename T, typename P>
+__device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weight, const void* bias,
+                                         const void* initial_states, const P& p, int64 b, int64 c, int64 pos) {
+    const int width = (int)p.width;
+    for (int e = 0; e < Vec<T>::V && c + e < p.dim; ++e) {
+        if (isfinite(to_acc(v.e[e]))) continue;
+        float acc = bias ? load_as<float>(bias, (int)p.bias_dtype, (c + e) * p.bias_stride) : 0.f;
+        for (int k = 0; k < width; ++k)
+            acc += load_as<float>(weight, (int)p.weight_dtype, (c + e) * p.weight_c_stride + k * p.weight_width_stride) *
+                   input_at<float>(x, initial_states, p, b, c + e, pos - (width - 1) + k);
+        v.e[e] = from_acc<T>(p.silu_act ? silu(acc) : acc);
+    }
+}
+
+// Compiled for 4 blocks an SM (128 registers a thread): a register budget for 5 spills in the
+// step loop and runs slower (benchmarks/NOTES.md, "fwd_mma_cl").
+template <typename T, int KS>
+__global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
+    static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
+    using Sizes = ToeplitzTaps<KS>;
+    constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE;
+    constexpr int CH = 32, RING = 16 * KS;  // channels a block; ring rows a channel
+    constexpr int VN = 8;  // elements of a 16-byte piece
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
+    const int width = (int)p.width;
+    const int64 units = batch * pieces, groups = (dim + CH - 1) / CH;
+    const int64 n_items = groups * ((units + 7) / 8);
+    const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
+    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[PAD + k] =
+    // w[k] (zeros around them), then the 8 biases.
+    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (8 * SIZE + 8);
+    float* const bias_s = reinterpret_cast<float*>(tab + 8 * SIZE);
+
+    // The 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging buffer: units
+    // of odd positions swapped in pairs, pieces of a 64-byte row rotated by (u >> 1) & 3.
+    auto piece = [&](int buf, int i, int u, int m) {
+        return reinterpret_cast<uint4*>(staging + buf * 8192) + ((i * 8 + (u ^ (i & 1))) * 4 + (m ^ ((u >> 1) & 3)));
+    };
+    // This thread's unit and 16-byte piece of channels in the copies in and out: u, m.
+    const int cu = lane >> 2, cm = lane & 3;
+    // Ring row of channel ch for ring slot s (< RING): channels RING + 1 rows apart, so that the 8
+    // channels a transposing store writes at one slot lie in 8 distinct bank groups.
+    auto ring_row = [&](int ch, int s) { return ring + ch * (RING + 1) + s; };
+    const int sh = D - width + 1;  // where the band starts in the window
+    const int jb = PAD - sh + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
+    const int64 n_steps = KS - 1 + span / 16;
+
+    #pragma unroll 1
+    for (int64 item = blockIdx.x; item < n_items; item += gridDim.x) {
+        int64 q, grp;
+        divmod_fast(item, groups, p.group_divisor, q, grp);
+        const int64 c0 = grp * CH;
+        // This thread's unit: row b, positions start .. end - 1.
+        const int64 U = q * 8 + cu;
+        const bool unit_ok = U < units;
+        int64 b = 0, jp = 0;
+        divmod_fast(unit_ok ? U : 0, pieces, p.piece_divisor, b, jp);
+        const int64 start = jp * span, end = unit_ok ? min(seqlen, start + span) : 0;
+        const int64 cc = c0 + 8 * cm;  // this thread's channels cc .. cc + 7
+        const bool whole_in = x_aligned && cc + VN <= dim, whole_out = out_aligned && cc + VN <= dim;
+        const T* const xs = x + b * p.x_batch_stride + cc;
+        T* const os = out + b * p.out_batch_stride + cc * p.out_c_stride;
+
+        // The taps of channels c0 + 8 warp + cl.
+        __syncwarp();  // the previous item's readers are done
+        const int64 cw = c0 + 8 * warp;
+        #pragma unroll 1
+        for (int e = lane; e < 8 * SIZE; e += 32) {
+            const int cl = e / SIZE, j = e - cl * SIZE;
+            float v[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int k = j + h - PAD;
+                v[h] = k >= 0 && k < width && cw + cl < dim
+                           ? load_as<float>(weight, (int)p.weight_dtype, (cw + cl) * p.weight_c_stride + k * p.weight_width_stride)
+                           : 0.f;
+            }
+            tab[e] = pack2<T>(v[0], v[1]);
+        }
+        if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
+        __syncwarp();
+
+        // Step a copies positions (a - KS + 1) 16 + i of each piece (the first KS - 1 steps: the D
+        // before it); this thread copies i = warp + 4 r, pieces 128 apart. Steps whose four
+        // positions lie inside the unit's span (or the D before it) and the row go unchecked.
+        const bool fast_in = whole_in && unit_ok;
+        const T* xa = xs + (start - D + warp) * p.x_l_stride;  // this thread's first position of the next step
+        const int64 x_step = 4 * p.x_l_stride;
+        auto copy_in = [&](int64 a) {
+            uint4* const dst = piece((int)(a & 1), warp, cu, cm);
+            const int64 t0 = start + (a - KS + 1) * 16 + warp;
+            if (fast_in && t0 >= 0 && t0 + 12 < end) {
+                #pragma unroll
+                for (int r = 0; r < 4; ++r) cp_async<16>(dst + 128 * r, xa + r * x_step, 16);
+            } else {
+                #pragma unroll 1
+                for (int r = 0; r < 4; ++r) {
+                    const int64 pos = t0 + 4 * r;
+                    const bool live = pos < end || (pos < seqlen && pos < start);  // (the D before a piece)
+                    if (fast_in && pos >= 0) {
+                        cp_async<16>(dst + 128 * r, live ? xa + r * x_step : x, live ? 16 : 0);
+                    } else if (!unit_ok || !live || pos < -(width - 1) || cc >= dim || (pos < 0 && !initial_states)) {
+                        cp_async<16>(dst + 128 * r, x, 0);
+                    } else {
+                        Vec<T> v;
+                        #pragma unroll 1
+                        for (int e = 0; e < VN; ++e) v.e[e] = window_input(x, initial_states, p, b, cc + e, pos);
+                        dst[128 * r] = v.raw;
+                    }
+                }
+            }
+            xa += 4 * x_step;
+            cp_async_commit();
+        };
+
+        T* oa = os + (start + warp) * p.out_l_stride;  // this thread's first output of the next step
+        const int64 o_step = 4 * p.out_l_stride;
+        copy_in(0);
+        // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
+        // + 1 + s (mod KS), the oldest first.
+        int blk_in = 0;
+        #pragma unroll 1
+        for (int64 a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == KS ? 0 : blk_in + 1) {
+            const int buf = (int)(a & 1);
+            if (a + 1 < n_steps) {
+                copy_in(a + 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncwarp();  // the pieces the other lanes copied have landed
+            // This warp's positions i = warp + 4 r into ring block blk_in: matrix m (lanes 8 m + j
+            // address its rows) = units j, channels 8 m ..; stored transposed, row j = channel 8 m
+            // + j.
+            {
+                const int m = lane >> 3, j = lane & 7;
+                uint4* const to = ring_row(8 * m + j, blk_in * 16 + warp);
+                #pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    unsigned w[4];
+                    ldmatrix_x4(w, piece(buf, warp + 4 * r, j, m));
+                    stmatrix_x4_trans(w, to + 4 * r);
+                }
+            }
+            __syncthreads();  // the ring holds the step's window
+            if (a < KS - 1) continue;
+
+            // The 16 outputs of each column at positions (a - KS + 1) 16 .. of its piece. The B
+            // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
+            // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel 8 warp + cl at
+            // bfrom[s / 2] + cl (RING + 1).
+            const uint4* bfrom[(KS + 1) / 2];
+            {
+                const int mq = lane >> 3, j = lane & 7;
+                #pragma unroll
+                for (int s = 0; s < KS; s += 2) {
+                    int blk = blk_in + 1 + s + (mq >> 1);
+                    blk = blk >= KS ? blk - KS : blk;
+                    blk = blk >= KS ? blk - KS : blk;
+                    bfrom[s / 2] = ring_row(8 * warp, blk * 16 + 8 * (mq & 1) + j);
+                }
+            }
+            // Returns the sum of the step's pre-activations (not finite if one of them is not).
+            auto compute = [&](auto silu_flag) {
+                constexpr bool SILU = decltype(silu_flag)::value;
+                float sums = 0.f;
+                unsigned packed[4][4];  // [place r][channel pair]: (position g + 8 (r >> 1), unit 2 tg + (r & 1))
+                #pragma unroll
+                for (int pr = 0; pr < 4; ++pr) {
+                    float acc[2][4];
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int cl = 2 * pr + h;
+                        unsigned bf[KS + 1][2];  // (B fragments of k-steps s: bf[s][0], bf[s][1])
+                        #pragma unroll
+                        for (int s = 0; s < KS; s += 2) {
+                            const uint4* const row = bfrom[s / 2] + cl * (RING + 1);
+                            if (s + 1 < KS) {
+                                unsigned w[4];
+                                ldmatrix_x4_trans(w, row);
+                                bf[s][0] = w[0], bf[s][1] = w[1], bf[s + 1][0] = w[2], bf[s + 1][1] = w[3];
+                            } else {
+                                unsigned w[2];
+                                ldmatrix_x2_trans(w, row);
+                                bf[s][0] = w[0], bf[s][1] = w[1];
+                            }
+                        }
+                        const float bv = bias_s[cl];
+                        #pragma unroll
+                        for (int r = 0; r < 4; ++r) acc[h][r] = bv;
+                        const unsigned* const tw = tab + cl * SIZE + jb;
+                        #pragma unroll
+                        for (int s = 0; s < KS; ++s) {
+                            const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
+                            const unsigned af[4] = {a0, a1, a2, a0};
+                            MmaOp<T>::run(acc[h], af, bf[s][0], bf[s][1]);
+                        }
+                    }
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        sums += acc[0][r] + acc[1][r];
+                        if constexpr (SILU) {
+                            acc[0][r] = silu(acc[0][r]);
+                            acc[1][r] = silu(acc[1][r]);
+                        }
+                        packed[r][pr] = pack2<T>(acc[0][r], acc[1][r]);
+                    }
+                }
+                #pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    *piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp) =
+                        make_uint4(packed[r][0], packed[r][1], packed[r][2], packed[r][3]);
+                return sums;
+            };
+            const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
+            const bool redo = __syncthreads_or(!isfinite(sums));  // the outputs are in the buffer
+
+            // This thread's pieces out: positions i = warp + 4 r of its unit and channels.
+            const uint4* const from = piece(buf, warp, cu, cm);
+            const int64 t0 = start + (a - KS + 1) * 16 + warp;
+            if (!redo && whole_out && t0 + 12 < end) {
+                #pragma unroll
+                for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = from[128 * r];
+            } else {
+                #pragma unroll 1
+                for (int r = 0; r < 4; ++r) {
+                    const int64 pos = t0 + 4 * r;
+                    if (pos >= end || cc >= dim) continue;
+                    Vec<T> v;
+                    v.raw = from[128 * r];
+                    if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
+                    T* const o = oa + r * o_step;
+                    if (whole_out) {
+                        *reinterpret_cast<uint4*>(o) = v.raw;
+                    } else {
+                        #pragma unroll 1
+                        for (int e = 0; e < VN && cc + e < dim; ++e) o[e * p.out_c_stride] = v.e[e];
+                    }
+                }
+            }
+            oa += 4 * o_step;
+        }
+    }
+}
