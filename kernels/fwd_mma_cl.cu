@@ -21,9 +21,9 @@
 // ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g, tg): positions
 // 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
 // channels for each of a lane's four (position, unit) places, go back through the staging buffer
-// just read and out in 64-byte runs by the threads that copied them in. Channel c's ring rows
-// are rotated by c mod 8, and the staging buffer's 16-byte pieces swizzled, so that no access
-// meets a bank conflict.
+// just read and out in 64-byte runs by the threads that copied them in. Channels' rings lie
+// 16 KS + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), and the
+// staging buffer's 16-byte pieces are swizzled, so that no access meets a bank conflict.
 //
 // Every ring row is written (zeros before the states and past the row or the channels), since a
 // zero weight times a stale NaN would not be zero; a non-finite input meets the band's zero

@@ -167,8 +167,13 @@ def test_instance_table_covers_every_width():
     # widths 9 to 256 on tensor cores, KS 2 to 17: (weights split, channel-last warps a block)
     for split in ("false", "true"):
         assert {f"fwd_mma<{t}, 2, {split}, 0>", f"fwd_mma<{t}, 17, {split}, 0>"} <= names
-        assert {f"fwd_mma<{t}, 2, {split}, 8>", f"fwd_mma<{t}, 17, {split}, 16>"} <= names
+        assert f"fwd_mma<{t}, 17, {split}, 16>" in names
         assert not {n for n in names if n.startswith((f"fwd_mma<{t}, 1,", f"fwd_mma<{t}, 18,"))}
+    # channel-last: fwd_mma_cl with weights of x's dtype up to KS 3, fwd_mma with split weights
+    # and beyond
+    assert {f"fwd_mma_cl<{t}, 2>", f"fwd_mma_cl<{t}, 3>", f"fwd_mma<{t}, 2, true, 8>"} <= names
+    assert f"fwd_mma<{t}, 4, false, 8>" in names and f"fwd_mma<{t}, 3, false, 8>" not in names
+    assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 4")}
     for source, group in instances.items():  # each instance in its family's file
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name

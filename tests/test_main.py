@@ -249,6 +249,10 @@ def offline_names(*args: str) -> list[str]:
             id="wide-filters",
         ),
         pytest.param(
+            "--dim 256 --seqlen 64 --width 16 --ops fwd --layout cl", [f"fwd_mma_cl<{T}, 2>"],
+            id="channel-last-tensor-cores",
+        ),
+        pytest.param(
             "--dim 256 --ops update --dtype float32 --width 20",
             ["conv_update<float, 0>"], id="update-run-time-width",
         ),
