@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
     const int64 n_steps = KS - 1 + span / 16;
 
     #pragma unroll 1
-    for (int64 item = blockIdx.x; item < n_items; item += gridDim.x) {
+    for (int64 item = blockIdx.x; item < n_items; item += p.main_blocks) {  // (blocks past: final states)
         int64 q, grp;
         divmod_fast(item, groups, p.group_divisor, q, grp);
         const int64 c0 = grp * CH;

@@ -394,16 +394,19 @@ def test_split_window_on_tensor_cores(dtype, wdtype, layout):
         ("cf", "float16", "float32", 64, 0, "fwd_mma"),
         ("cf", "bfloat16", "bfloat16", 20, 3, "fwd_time_wide"),  # seq_idx
         ("cf", "float64", "float64", 256, 0, "fwd_time_wide"),
+        ("cl", "bfloat16", "bfloat16", 17, 0, "fwd_mma_cl"),  # many items a block
+        ("cl", "float16", "float16", 33, 0, "fwd_mma_cl"),
     ],
 )  # fmt: skip
 def test_wide_kernels_in_a_grid_of_one_block(
     monkeypatch, layout, dtype, wdtype, width, segments, kernel
 ):
-    """The wide kernels (fwd_channel_wide, fwd_time_wide, fwd_mma on a split window) with a
-    grid of one main block: its warps take every tile (row) in turn, so the copies of the next
-    tile (span) into the other buffer, the taps staged again for each tile (row), a last strip
-    of 8 channels and last tiles cut by the row's end all run many times in one launch; the
-    blocks after it write the final states (the main warps step by the main blocks alone)."""
+    """The wide kernels (fwd_channel_wide, fwd_time_wide, fwd_mma on a split window,
+    fwd_mma_cl) with a grid of one main block: its warps take every tile (row, item) in turn, so
+    the copies of the next tile (span) into the other buffer, the taps staged again for each
+    tile (row), a last strip of 8 channels and last tiles cut by the row's end all run many
+    times in one launch; the blocks after it write the final states (the main warps step by the
+    main blocks alone)."""
     from cupyconv import _fast, _forward_plan
 
     resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
