@@ -55,18 +55,20 @@ __device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* 
                  "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
 #else
-    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q)
+    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q, element
+    // (g, j) from lane 4 g + j / 2, two rows a word)
     const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
-    unsigned short col[8];
+    unsigned col[4];
     #pragma unroll
     for (int g = 0; g < 8; ++g) {
         unsigned w[4];
         #pragma unroll
         for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
         const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
-        col[g] = (unsigned short)(j & 1 ? v >> 16 : v);
+        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
+        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
     }
-    *reinterpret_cast<uint4*>(row) = *reinterpret_cast<const uint4*>(col);
+    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
 #endif
 }
 
