@@ -255,12 +255,11 @@ def _plan_forward(
     _, x_c, x_l = x.strides
     time_major = x_l == 1 or (seqlen == 1 and x_c != 1)
     kind = (mma if time_major else mma.replace("mma", "mma_cl")) if mma else None
-    if kind in table and not time_major and x_c == 1 and table[kind][1].startswith("fwd_mma_cl<"):
-        return _plan_mma_cl(x, out, width, table[kind][1], device)
     if kind in table and (time_major or x_c == 1):
-        return _plan_mma(
-            x, out, width, table[kind][1], device, not time_major, kind.endswith("_split")
-        )
+        source, name = table[kind]
+        if source is MMA_CL.source:
+            return _plan_mma_cl(x, out, width, name, device)
+        return _plan_mma(x, out, width, name, device, not time_major, kind.endswith("_split"))
     if time_major and width <= TIME_MAX_WIDTH:
         short = seqlen * itemsize <= TIME_SHORT_ROW
         name = table["time_short" if short else "time_long"][1]
@@ -379,13 +378,13 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
     then each warp's taps (8 channels x 2 D + 32 word pairs) and 8 biases."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
-    warps = CONSTANTS["MMA_CL_WARPS"]
-    step = CONSTANTS["MMA_CL_STEP"]
-    taps_at = 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
-    smem = taps_at + warps * (8 * (32 * ks) + 8) * 4
-    groups = -(-dim // 32)
+    warps, step = CONSTANTS["MMA_CL_WARPS"], CONSTANTS["MMA_CL_STEP"]
+    channels = 8 * warps  # a block's
+    taps_at = channels * (16 * ks + 1) * 16 + 2 * step * 8 * channels * 2
+    smem = taps_at + warps * (8 * (32 * ks) + 8) * 4  # (32 KS: 2 D + 32 tap pairs a channel)
+    groups = -(-dim // channels)
 
-    def items(span):
+    def items(span):  # (channel groups, 8 pieces)
         return groups * -(-(batch * -(-seqlen // span)) // 8)
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)

@@ -33,45 +33,6 @@
 #include "fwd_common.cuh"
 #include "mma_common.cuh"
 
-// The two 8x8 matrices whose rows lanes 0 .. 15 address, transposed (ldmatrix_x4_trans's first
-// two).
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(smem_address(row)));
-}
-// The four 8x8 matrices whose rows lanes 8 q .. 8 q + 7 address, as they lie: r[q] holds, for
-// lane (g, tg), elements (g, 2 tg) and (g, 2 tg + 1) of matrix q.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(row)));
-}
-// ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
-// column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
-__device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(smem_address(row)),
-                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-#else
-    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q, element
-    // (g, j) from lane 4 g + j / 2, two rows a word)
-    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
-    unsigned col[4];
-    #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        unsigned w[4];
-        #pragma unroll
-        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
-        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
-        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
-        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
-    }
-    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
-#endif
-}
-
 // The outputs of v (channels c .., position pos of row b) that are not finite, computed again
 // from their own taps. Out of line: it is rarely called.
 template <typename T, typename P>
@@ -96,7 +57,8 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
     static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
     constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE;
-    constexpr int CH = 32, RING = 16 * KS;  // channels a block; ring rows a channel
+    constexpr int CH = 8 * MMA_CL_WARPS, RING = 16 * KS;  // channels a block; ring rows a channel
+    constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
     const int width = (int)p.width;
@@ -115,7 +77,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
     // The 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging buffer: units
     // of odd positions swapped in pairs, pieces of a 64-byte row rotated by (u >> 1) & 3.
     auto piece = [&](int buf, int i, int u, int m) {
-        return reinterpret_cast<uint4*>(staging + buf * 8192) + ((i * 8 + (u ^ (i & 1))) * 4 + (m ^ ((u >> 1) & 3)));
+        return reinterpret_cast<uint4*>(staging + buf * BUF) + ((i * 8 + (u ^ (i & 1))) * 4 + (m ^ ((u >> 1) & 3)));
     };
     // This thread's unit and 16-byte piece of channels in the copies in and out: u, m.
     const int cu = lane >> 2, cm = lane & 3;
