@@ -68,10 +68,11 @@ MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 33; fwd_mma beyond,
-# faster there: benchmarks/NOTES.md, "fwd_mma_cl"); pieces of
-# rows of at most MMA_CL_LONGEST steps, halved down to MMA_CL_SHORTEST while the items would not
-# fill the device MMA_CL_WAVES times.
-MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_WAVES = 3, 1024, 256, 2
+# faster there: benchmarks/NOTES.md, "fwd_mma_cl"); pieces of rows of MMA_CL_LONGEST steps or
+# half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose estimated time is within
+# MMA_CL_SLACK of the least (a wave of items at least MMA_CL_FILL as long as a full one).
+MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 3, 1024, 256
+MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
@@ -387,10 +388,16 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
     def items(span):  # (channel groups, 8 pieces)
         return groups * -(-(batch * -(-seqlen // span)) // 8)
 
+    def time(span):  # a persistent grid's waves of items, each (span + the D before it) long
+        full, rest = divmod(items(span), resident)
+        return (span + step * (ks - 1)) * (full + (max(rest / resident, MMA_CL_FILL) if rest else 0))
+
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
-    span = min(MMA_CL_LONGEST, -(-seqlen // step) * step)
-    while span > MMA_CL_SHORTEST and items(span) < MMA_CL_WAVES * resident:
-        span = max(MMA_CL_SHORTEST, span // 2 // step * step)
+    spans = [min(MMA_CL_LONGEST, -(-seqlen // step) * step)]
+    while spans[-1] > MMA_CL_SHORTEST:
+        spans.append(max(MMA_CL_SHORTEST, spans[-1] // 2 // step * step))
+    least = min(map(time, spans))
+    span = min(s for s in spans if time(s) <= MMA_CL_SLACK * least)
     pieces = -(-seqlen // span)
     return MMA_CL.launch(
         name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem,

@@ -49,10 +49,10 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Compiled for 4 blocks an SM (128 registers a thread): a register budget for 5 spills in the
-// step loop and runs slower (benchmarks/NOTES.md, "fwd_mma_cl").
+// Compiled for 5 blocks an SM at KS 2 (96 registers a thread, nothing spilled in the step loop)
+// and 4 at KS 3 (113; at 96 it spills there and runs slower): benchmarks/NOTES.md, "fwd_mma_cl".
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
     auto ring_row = [&](int ch, int s) { return ring + ch * (RING + 1) + s; };
     const int sh = D - width + 1;  // where the band starts in the window
     const int jb = PAD - sh + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
-    const int64 n_steps = KS - 1 + span / 16;
+    const int n_steps = KS - 1 + (int)(span / 16);
 
     #pragma unroll 1
     for (int64 item = blockIdx.x; item < n_items; item += p.main_blocks) {  // (blocks past: final states)
@@ -129,10 +129,12 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
         const bool fast_in = whole_in && unit_ok;
         const T* xa = xs + (start - D + warp) * p.x_l_stride;  // this thread's first position of the next step
         const int64 x_step = 4 * p.x_l_stride;
-        auto copy_in = [&](int64 a) {
+        const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
+        auto copy_in = [&](int a) {
             uint4* const dst = piece((int)(a & 1), warp, cu, cm);
-            const int64 t0 = start + (a - KS + 1) * 16 + warp;
-            if (fast_in && t0 >= 0 && t0 + 12 < end) {
+            const int rel = (a - KS + 1) * 16 + warp;
+            const int64 t0 = start + rel;
+            if (fast_in && rel >= lo && rel + 12 < len) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) cp_async<16>(dst + 128 * r, xa + r * x_step, 16);
             } else {
@@ -163,7 +165,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
         // + 1 + s (mod KS), the oldest first.
         int blk_in = 0;
         #pragma unroll 1
-        for (int64 a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == KS ? 0 : blk_in + 1) {
+        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == KS ? 0 : blk_in + 1) {
             const int buf = (int)(a & 1);
             if (a + 1 < n_steps) {
                 copy_in(a + 1);
@@ -192,7 +194,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
             // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
             // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel 8 warp + cl at
             // bfrom[s / 2] + cl (RING + 1).
-            const uint4* bfrom[(KS + 1) / 2];
+            unsigned bfrom[(KS + 1) / 2];
             {
                 const int mq = lane >> 3, j = lane & 7;
                 #pragma unroll
@@ -200,59 +202,63 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
                     int blk = blk_in + 1 + s + (mq >> 1);
                     blk = blk >= KS ? blk - KS : blk;
                     blk = blk >= KS ? blk - KS : blk;
-                    bfrom[s / 2] = ring_row(8 * warp, blk * 16 + 8 * (mq & 1) + j);
+                    bfrom[s / 2] = smem_address(ring_row(8 * warp, blk * 16 + 8 * (mq & 1) + j));
                 }
             }
             // Returns the sum of the step's pre-activations (not finite if one of them is not).
             auto compute = [&](auto silu_flag) {
                 constexpr bool SILU = decltype(silu_flag)::value;
                 float sums = 0.f;
-                unsigned packed[4][4];  // [place r][channel pair]: (position g + 8 (r >> 1), unit 2 tg + (r & 1))
-                #pragma unroll
-                for (int pr = 0; pr < 4; ++pr) {
-                    float acc[2][4];
+                #pragma unroll 1
+                for (int half = 0; half < 2; ++half) {  // channel pairs 2 half, 2 half + 1 (a loop: fewer registers)
+                    unsigned packed[4][2];  // [place r][pair p2]: (position g + 8 (r >> 1), unit 2 tg + (r & 1))
                     #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int cl = 2 * pr + h;
-                        unsigned bf[KS + 1][2];  // (B fragments of k-steps s: bf[s][0], bf[s][1])
+                    for (int p2 = 0; p2 < 2; ++p2) {
+                        const int pr = 2 * half + p2;
+                        float acc[2][4];
                         #pragma unroll
-                        for (int s = 0; s < KS; s += 2) {
-                            const uint4* const row = bfrom[s / 2] + cl * (RING + 1);
-                            if (s + 1 < KS) {
-                                unsigned w[4];
-                                ldmatrix_x4_trans(w, row);
-                                bf[s][0] = w[0], bf[s][1] = w[1], bf[s + 1][0] = w[2], bf[s + 1][1] = w[3];
-                            } else {
-                                unsigned w[2];
-                                ldmatrix_x2_trans(w, row);
-                                bf[s][0] = w[0], bf[s][1] = w[1];
+                        for (int h = 0; h < 2; ++h) {
+                            const int cl = 2 * pr + h;
+                            unsigned bf[KS + 1][2];  // (B fragments of k-steps s: bf[s][0], bf[s][1])
+                            #pragma unroll
+                            for (int s = 0; s < KS; s += 2) {
+                                const unsigned row = bfrom[s / 2] + cl * (RING + 1) * 16;
+                                if (s + 1 < KS) {
+                                    unsigned w[4];
+                                    ldmatrix_x4_trans(w, row);
+                                    bf[s][0] = w[0], bf[s][1] = w[1], bf[s + 1][0] = w[2], bf[s + 1][1] = w[3];
+                                } else {
+                                    unsigned w[2];
+                                    ldmatrix_x2_trans(w, row);
+                                    bf[s][0] = w[0], bf[s][1] = w[1];
+                                }
+                            }
+                            const float bv = bias_s[cl];
+                            #pragma unroll
+                            for (int r = 0; r < 4; ++r) acc[h][r] = bv;
+                            const unsigned* const tw = tab + cl * SIZE + jb;
+                            #pragma unroll
+                            for (int s = 0; s < KS; ++s) {
+                                const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
+                                const unsigned af[4] = {a0, a1, a2, a0};
+                                MmaOp<T>::run(acc[h], af, bf[s][0], bf[s][1]);
                             }
                         }
-                        const float bv = bias_s[cl];
                         #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[h][r] = bv;
-                        const unsigned* const tw = tab + cl * SIZE + jb;
-                        #pragma unroll
-                        for (int s = 0; s < KS; ++s) {
-                            const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
-                            const unsigned af[4] = {a0, a1, a2, a0};
-                            MmaOp<T>::run(acc[h], af, bf[s][0], bf[s][1]);
+                        for (int r = 0; r < 4; ++r) {
+                            sums += acc[0][r] + acc[1][r];
+                            if constexpr (SILU) {
+                                acc[0][r] = silu(acc[0][r]);
+                                acc[1][r] = silu(acc[1][r]);
+                            }
+                            packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }
                     }
                     #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        sums += acc[0][r] + acc[1][r];
-                        if constexpr (SILU) {
-                            acc[0][r] = silu(acc[0][r]);
-                            acc[1][r] = silu(acc[1][r]);
-                        }
-                        packed[r][pr] = pack2<T>(acc[0][r], acc[1][r]);
-                    }
+                    for (int r = 0; r < 4; ++r)
+                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp))[half] =
+                            make_uint2(packed[r][0], packed[r][1]);
                 }
-                #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    *piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp) =
-                        make_uint4(packed[r][0], packed[r][1], packed[r][2], packed[r][3]);
                 return sums;
             };
             const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
@@ -260,8 +266,9 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, 4) fwd_mma_cl(FWD_ARRAYS, c
 
             // This thread's pieces out: positions i = warp + 4 r of its unit and channels.
             const uint4* const from = piece(buf, warp, cu, cm);
-            const int64 t0 = start + (a - KS + 1) * 16 + warp;
-            if (!redo && whole_out && t0 + 12 < end) {
+            const int rel = (a - KS + 1) * 16 + warp;
+            const int64 t0 = start + rel;
+            if (!redo && whole_out && rel + 12 < len) {
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = from[128 * r];
             } else {

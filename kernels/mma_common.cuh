@@ -69,17 +69,17 @@ __host__ __device__ constexpr int fragment_offset(int s, int r) { return 16 * s 
 // The four 8x8 matrices of 16-bit values whose rows lanes 8 q .. 8 q + 7 address (16 bytes a
 // row, 16-byte aligned), transposed: r[q] holds, for lane (g, tg), elements (2 tg, g) and
 // (2 tg + 1, g) of matrix q.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+// (`row`: a shared-memory address; the second form takes a generic pointer.)
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(row)));
+                 : "r"(row));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_x4_trans(r, smem_address(row)); }
 
 // The two 8x8 matrices whose rows lanes 0 .. 15 address, transposed (ldmatrix_x4_trans's first two).
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(smem_address(row)));
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], unsigned row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(row));
 }
 // The four 8x8 matrices whose rows lanes 8 q .. 8 q + 7 address, as they lie: r[q] holds, for
 // lane (g, tg), elements (g, 2 tg) and (g, 2 tg + 1) of matrix q.

@@ -421,17 +421,20 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
 @pytest.mark.parametrize(
     "shape,resident,span",
     [
-        ((8, 5120, 2048), 132 * 5, 256),  # 1280 items of 256 steps: 2 waves at the shortest
-        ((8, 5120, 2048), 132, 1024),  # 320 items of 1024 steps fill 132 blocks twice over
-        ((1, 4096, 16384), 132 * 5, 256),
+        # 2 full waves of 1280 items of 256 steps, 3 % behind 1 wave of 640 of 512: the shorter
+        ((8, 5120, 2048), 132 * 5, 256),
+        ((8, 5120, 2048), 132, 256),
+        # 1024 items of 256 steps would leave a second wave half full: 512 of 512 steps
+        ((1, 4096, 16384), 132 * 5, 512),
         ((2, 64, 40), 132 * 5, 48),  # rows shorter than a piece: one piece a row
-        ((64, 1024, 512), 64, 512),
+        ((64, 1024, 512), 64, 256),
     ],
 )  # fmt: skip
 def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
-    """fwd_mma_cl cuts rows into pieces of up to MMA_CL_LONGEST steps, halved down to
-    MMA_CL_SHORTEST while its items (32 channels, 8 pieces) would not fill the device
-    MMA_CL_WAVES times; a persistent grid of at most the resident blocks."""
+    """fwd_mma_cl cuts rows into pieces of MMA_CL_LONGEST steps or half, a quarter .. down to
+    MMA_CL_SHORTEST, the shortest whose waves of items (32 channels, 8 pieces; a wave counted at
+    least MMA_CL_FILL full) take at most MMA_CL_SLACK times the least; a persistent grid of at
+    most the resident blocks."""
     plan, _ = mma_plan(monkeypatch, shape, "cl", "bfloat16", "bfloat16", 16, resident)
     fields = dict(zip(_forward_plan.MMA_CL.plan_fields, plan.plan_fields))
     b, c, length = shape
