@@ -390,7 +390,8 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
 
     def time(span):  # a persistent grid's waves of items, each (span + the D before it) long
         full, rest = divmod(items(span), resident)
-        return (span + step * (ks - 1)) * (full + (max(rest / resident, MMA_CL_FILL) if rest else 0))
+        last = max(rest / resident, MMA_CL_FILL) if rest else 0
+        return (span + step * (ks - 1)) * (full + last)
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
     spans = [min(MMA_CL_LONGEST, -(-seqlen // step) * step)]
