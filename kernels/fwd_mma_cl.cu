@@ -50,7 +50,8 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
 }
 
 // Compiled for 5 blocks an SM at KS 2 (96 registers a thread, nothing spilled in the step loop)
-// and 4 at KS 3 (113; at 96 it spills there and runs slower): benchmarks/NOTES.md, "fwd_mma_cl".
+// and 4 from KS 3 (128; at 96 KS 3 spills there and runs slower; at KS 4 / 5 the shared memory
+// leaves 3 / 2 blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl".
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
@@ -104,21 +105,33 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl
         const T* const xs = x + b * p.x_batch_stride + cc;
         T* const os = out + b * p.out_batch_stride + cc * p.out_c_stride;
 
-        // The taps of channels c0 + 8 warp + cl.
+        // The taps of channels c0 + 8 warp + cl: the table zeroed, then each weight (of x's
+        // dtype, its bits as they are) written into the two words that hold it, P[PAD + k] = the
+        // low half of word PAD + k and the high half of word PAD + k - 1. Lane (cl, k0) = (lane /
+        // 4, lane % 4) takes taps k0, k0 + 4, ..: all its loads in flight at once.
         __syncwarp();  // the previous item's readers are done
         const int64 cw = c0 + 8 * warp;
-        #pragma unroll 1
-        for (int e = lane; e < 8 * SIZE; e += 32) {
-            const int cl = e / SIZE, j = e - cl * SIZE;
-            float v[2];
+        #pragma unroll
+        for (int i = lane; i < 2 * SIZE; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
+        {
+            constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
+            const int cl = lane >> 2, k0 = lane & 3;
+            const bool live = cw + cl < dim;
+            const unsigned short* const wrow =
+                static_cast<const unsigned short*>(weight) + (live ? (cw + cl) * p.weight_c_stride : 0);
+            unsigned short w[PER_LANE];
             #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int k = j + h - PAD;
-                v[h] = k >= 0 && k < width && cw + cl < dim
-                           ? load_as<float>(weight, (int)p.weight_dtype, (cw + cl) * p.weight_c_stride + k * p.weight_width_stride)
-                           : 0.f;
+            for (int r = 0; r < PER_LANE; ++r) {
+                const int k = k0 + 4 * r;
+                w[r] = live && k < width ? wrow[k * p.weight_width_stride] : 0;
             }
-            tab[e] = pack2<T>(v[0], v[1]);
+            __syncwarp();  // the table is zeroed
+            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * SIZE + PAD);
+            #pragma unroll
+            for (int r = 0; r < PER_LANE; ++r) {
+                const int k = k0 + 4 * r;
+                if (k < width) half[2 * k] = half[2 * k - 1] = w[r];
+            }
         }
         if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
         __syncwarp();

@@ -169,11 +169,12 @@ def test_instance_table_covers_every_width():
         assert {f"fwd_mma<{t}, 2, {split}, 0>", f"fwd_mma<{t}, 17, {split}, 0>"} <= names
         assert f"fwd_mma<{t}, 17, {split}, 16>" in names
         assert not {n for n in names if n.startswith((f"fwd_mma<{t}, 1,", f"fwd_mma<{t}, 18,"))}
-    # channel-last: fwd_mma_cl with weights of x's dtype up to KS 3, fwd_mma with split weights
+    # channel-last: fwd_mma_cl with weights of x's dtype up to KS 5, fwd_mma with split weights
     # and beyond
-    assert {f"fwd_mma_cl<{t}, 2>", f"fwd_mma_cl<{t}, 3>", f"fwd_mma<{t}, 2, true, 8>"} <= names
-    assert f"fwd_mma<{t}, 4, false, 8>" in names and f"fwd_mma<{t}, 3, false, 8>" not in names
-    assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 4")}
+    assert {f"fwd_mma_cl<{t}, {ks}>" for ks in (2, 3, 4, 5)} <= names
+    assert f"fwd_mma<{t}, 2, true, 8>" in names and f"fwd_mma<{t}, 6, false, 16>" in names
+    assert f"fwd_mma<{t}, 5, false, 8>" not in names
+    assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 6")}
     for source, group in instances.items():  # each instance in its family's file
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name

@@ -273,7 +273,7 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
 @pytest.mark.parametrize(
     "xdtype,wdtype,init,width,cf_name,cl_name",
     [
-        (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma<{H}, 5, false, 8>"),
+        (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
         # float16 x: with other weights time-contiguous only (split into bfloat16 parts);
         # states of x's dtype
         (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}>"),
@@ -283,7 +283,8 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
         # fwd_mma_cl up to KS = MMA_CL_MAX_STEPS, fwd_mma's channel-contiguous form beyond
         (F16, F16, None, 33, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
-        (F16, F16, None, 34, f"fwd_mma<{H}, 4, false, 0>", f"fwd_mma<{H}, 4, false, 8>"),
+        (F16, F16, None, 65, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
+        (F16, F16, None, 66, f"fwd_mma<{H}, 6, false, 0>", f"fwd_mma<{H}, 6, false, 16>"),
         (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(15)),
         (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(14)),
         (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", WIDE_CHANNEL.format(13)),

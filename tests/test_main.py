@@ -245,7 +245,7 @@ def offline_names(*args: str) -> list[str]:
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --width 64 --ops fwd --layout cf,cl",
-            [f"fwd_mma<{T}, 5, false, 0>", f"fwd_mma<{T}, 5, false, 8>"],
+            [f"fwd_mma<{T}, 5, false, 0>", f"fwd_mma_cl<{T}, 5>"],
             id="wide-filters",
         ),
         pytest.param(
