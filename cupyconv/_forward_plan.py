@@ -69,10 +69,9 @@ MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 65, where its ring
 # leaves 2 blocks an SM; fwd_mma beyond, not measured against it: benchmarks/NOTES.md,
-# "fwd_mma_cl");
-# pieces of rows of MMA_CL_LONGEST steps or
-# half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose estimated time is within
-# MMA_CL_SLACK of the least (a wave of items at least MMA_CL_FILL as long as a full one).
+# "fwd_mma_cl"); pieces of rows of MMA_CL_LONGEST steps or half, a quarter .. down to
+# MMA_CL_SHORTEST: the shortest whose estimated time is within MMA_CL_SLACK of the least (a wave
+# of items counted at least MMA_CL_FILL as long as a full one).
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 5, 1024, 256
 MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others

@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl
         const bool fast_in = whole_in && unit_ok;
         const T* xa = xs + (start - D + warp) * p.x_l_stride;  // this thread's first position of the next step
         const int64 x_step = 4 * p.x_l_stride;
+        // (positions relative to start in int: the piece's length, and where x begins, -D at most)
         const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
         auto copy_in = [&](int a) {
             uint4* const dst = piece((int)(a & 1), warp, cu, cm);
