@@ -84,12 +84,16 @@ TIME_LONG_CHUNK = (8, 1, 1)
 # summed once a run), as long as the call keeps TIME_MIN_RUNS runs.
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
-# channel vector) by itemsize.
-CHANNEL_TILE = {2: (16, 4), 4: (16, 8), 8: (8, 16)}
+# channel vector; tiles staged a warp, two where more would leave a block fewer than 4 warps)
+# by itemsize. 16-bit x: three tiles of 8 steps (two in flight), 1-4 % faster than two of 16 on
+# rows of 2048 steps and more, 1 % slower on rows of 256 to 1024 (benchmarks/NOTES.md,
+# "bwd_channel's staging depth").
+CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
-# bwd_channel: tiles per group (one group per warp), halved while the call has fewer than
-# CHANNEL_MIN_GROUPS groups, down to one tile.
-CHANNEL_TILES, CHANNEL_MIN_GROUPS = 32, 2048
+# bwd_channel: time steps per group (one group per warp; CHANNEL_STEPS // R tiles), the tiles
+# halved while the call has fewer than CHANNEL_MIN_GROUPS groups, down to groups of at least
+# CHANNEL_MIN_STEPS steps (or one tile).
+CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS = 512, 2048, 16
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -189,20 +193,22 @@ def _time_name(dtype: str, width: int, seq: bool, chunk) -> str:
     return f"bwd_time<{C_TYPES[dtype]}, {width}, {s}, {vectors}, {warps}, {buffers}>"
 
 
-def _channel_tile(dtype: str, width: int) -> tuple[int, int, int]:
-    """bwd_channel's (R, BYTES, WARPS): R time steps a tile (CHANNEL_TILE's, rounded up to a
-    multiple of the width), and as many warps a block as fit CHANNEL_SMEM (two tiles of x and
-    dout rows staged per warp), at most 4."""
-    steps, lane_bytes = CHANNEL_TILE[ITEMSIZE[dtype]]
+def _channel_tile(dtype: str, width: int) -> tuple[int, int, int, int]:
+    """bwd_channel's (R, BYTES, BUFS, WARPS): R time steps a tile (CHANNEL_TILE's, rounded up
+    to a multiple of the width), BUFS tiles of x and dout rows staged per warp, and as many warps
+    a block as fit CHANNEL_SMEM, at most 4."""
+    steps, lane_bytes, bufs = CHANNEL_TILE[ITEMSIZE[dtype]]
     r = -(-steps // width) * width
-    per_warp = 2 * 2 * r * 32 * lane_bytes
-    return r, lane_bytes, max(1, min(4, CHANNEL_SMEM // per_warp))
+    if bufs * 2 * r * 32 * lane_bytes > CHANNEL_SMEM // 4:
+        bufs = 2
+    per_warp = bufs * 2 * r * 32 * lane_bytes
+    return r, lane_bytes, bufs, max(1, min(4, CHANNEL_SMEM // per_warp))
 
 
 def _channel_name(dtype: str, width: int, seq: bool) -> str:
-    r, lane_bytes, warps = _channel_tile(dtype, width)
+    r, lane_bytes, bufs, warps = _channel_tile(dtype, width)
     s = str(seq).lower()
-    return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {warps}>"
+    return f"bwd_channel<{C_TYPES[dtype]}, {width}, {s}, {r}, {lane_bytes}, {bufs}, {warps}>"
 
 
 def _mma_name(width: int, channel_last: bool = False) -> str:
@@ -569,11 +575,15 @@ def _channel_vectors(a: Array, lane_bytes: int) -> bool:
 
 def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
     batch, dim, seqlen = x.shape
-    steps, lane_bytes, warps = _channel_tile(x.dtype_name, width)
+    steps, lane_bytes, _, warps = _channel_tile(x.dtype_name, width)
     strips = -(-dim // (32 * lane_bytes // itemsize))
-    tiles = CHANNEL_TILES
+    tiles = max(1, CHANNEL_STEPS // steps)
     groups = -(-seqlen // (steps * tiles))
-    while tiles > 1 and batch * groups * strips < CHANNEL_MIN_GROUPS:
+    while (
+        tiles > 1
+        and steps * (tiles // 2) >= CHANNEL_MIN_STEPS
+        and batch * groups * strips < CHANNEL_MIN_GROUPS
+    ):
         tiles //= 2
         groups = -(-seqlen // (steps * tiles))
     grid = _grid(batch * groups * strips, warps)

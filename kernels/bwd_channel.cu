@@ -1,15 +1,15 @@
 // bwd_channel.cu: the backward for channel-contiguous x (x_c_stride == 1) whose rows split into
 // aligned lane vectors, width K <= the plan's CHANNEL_MAX_WIDTH, in registers.
 //
-//   bwd_channel<T, K, SEQ, R, BYTES, WARPS>
+//   bwd_channel<T, K, SEQ, R, BYTES, BUFS, WARPS>
 //       a warp owns a strip of 32 lanes x V = BYTES / sizeof(T) channels and a group of
-//       p.group_tiles tiles of R time steps of a batch row, WARPS warps a block. R is a multiple
-//       of K.
+//       p.group_tiles tiles of R time steps of a batch row, WARPS warps a block, BUFS staged
+//       tiles a warp. R is a multiple of K.
 //       SEQ says whether seq_idx is given.
 //
 // The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R
-// rows, staging tile i + 1 of x and dout by cp.async (one BYTES vector per lane and row) while
-// it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
+// rows, staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per
+// lane and row) while it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
 // dz there (the pre-activation recomputed from the K rows of x up to it), its dweight / dbias
 // terms, and dx at g0 + r - (K-1), whose K values of dz are then known. x rows, their segment
 // ids and dz live in rings of K register slots indexed by position mod K (steps come K at a
@@ -21,7 +21,7 @@
 // (p.dout_aligned, else it is read element by element); p.dx_aligned: dx does too.
 #include "bwd_common.cuh"
 
-template <typename T, int K, bool SEQ, int R, int BYTES, int WARPS>
+template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES / sizeof(T)) / WARPS)
     bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
     wait_for_previous_kernel();
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
     constexpr int PIECES = 2 * BYTES;  // 16-byte pieces of a staged row (32 lanes x BYTES)
     constexpr int ROUND = 32 / PIECES;  // rows the warp stages together per 16-byte copy of a lane
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[WARPS][2][2 * R * 32];  // per warp, two tiles: R rows of x, R of dout
+    __shared__ Raw stage_mem[WARPS][BUFS][2 * R * 32];  // per warp, BUFS tiles: R rows of x, R of dout
     Raw (*const stage)[2 * R * 32] = stage_mem[threadIdx.x / 32];
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 groups_per_row = (seqlen + span - 1) / span;
@@ -67,14 +67,19 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         // stages its own vectors.
         const bool together = BYTES < 16 && rows16 && (strip + 1) * (32 * V) <= dim;  // warp-uniform
         if (together) __syncwarp();  // the stage's last readers are done
-        // Tile i: rows of positions g0 + i R .., zeros past the row.
+        // Tile i: rows of positions g0 + i R .., zeros past the row, into stage[i % BUFS]; one
+        // cp.async group a tile, an empty one past the group's last tile.
         auto stage_tile = [&](int i) {
-            Raw* const st = stage[i & 1] + lane;
+            if (i >= n_tiles) {
+                cp_async_commit();
+                return;
+            }
+            Raw* const st = stage[i % BUFS] + lane;
             const int64 p0 = g0 + (int64)i * R;
             const int rows = (int)max(min(seqlen - p0, (int64)R), (int64)0);
             if (together) {
                 const int piece = lane % PIECES, first = lane / PIECES;
-                char* const sb = reinterpret_cast<char*>(stage[i & 1]) + piece * 16;
+                char* const sb = reinterpret_cast<char*>(stage[i % BUFS]) + piece * 16;
                 const int64 c = strip * (32 * V) + piece * (16 / (int)sizeof(T));
                 const T* const src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
                 const T* const d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
@@ -125,7 +130,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             }
             cp_async_commit();
         };
-        stage_tile(0);
+        #pragma unroll
+        for (int i = 0; i < BUFS - 1; ++i) stage_tile(i);
 
         // With SiLU, the taps and bias scaled (silu_grad_scaled), and so are dz and dw.
         const A scale = act_scale<A>(silu_act);
@@ -154,14 +160,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         #pragma unroll 1
         for (int i = 0; i < n_tiles; ++i) {
             if (together) __syncwarp();  // tile i - 1's readers are done with its stage
-            if (i + 1 < n_tiles) {
-                stage_tile(i + 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+            stage_tile(i + BUFS - 1);
+            cp_async_wait<BUFS - 1>();  // tile i's group has landed
             if (together) __syncwarp();  // the pieces the other lanes staged have landed
-            const Raw* const st = stage[i & 1] + lane;
+            const Raw* const st = stage[i % BUFS] + lane;
             // K steps from r0 of the tile, compiled five times: CHECKED (the group's first K-1
             // steps, or the positions past g1 or the row: every step checked, SiLU and the dx
             // store run-time choices) and, for the steps inside, with the activation fixed

@@ -242,16 +242,16 @@ def test_zero_stride_dout(launches):
 
 
 def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
-    """Every bwd_channel instance: R a multiple of K (compile-time ring slots), and its two
+    """Every bwd_channel instance: R a multiple of K (compile-time ring slots), and its BUFS
     staged tiles per warp within the static shared-memory budget."""
     for names_ in all_backward_instances().values():
         for name in names_:
             if not name.startswith("bwd_channel<"):
                 continue
             args = name[len("bwd_channel<") : -1].split(", ")
-            width, steps, lane_bytes, warps = (int(a) for a in (args[1], *args[3:]))
+            width, steps, lane_bytes, bufs, warps = (int(a) for a in (args[1], *args[3:]))
             assert steps % width == 0, name
-            assert warps * 2 * 2 * steps * 32 * lane_bytes <= CHANNEL_SMEM, name
+            assert warps * bufs * 2 * steps * 32 * lane_bytes <= CHANNEL_SMEM, name
 
 
 def test_fields_match_the_structs():

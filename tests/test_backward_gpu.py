@@ -260,6 +260,21 @@ def test_tensor_core_channel_last_widths(tensor_cores, width, layout):
     run_bwd(2, 40, 1300, width, "bfloat16", layout=layout, seed=width)
 
 
+@pytest.mark.parametrize("width", (16, 33, 64))
+def test_tensor_core_channel_last_runs(tensor_cores, monkeypatch, width):
+    """Channel-contiguous x on two blocks, each a run of many items (spans of rows, batch rows,
+    channel groups) staged one after another."""
+    from cupyconv import _backward_plan
+
+    resident = _backward_plan.resident_blocks  # (which also opts the kernel into its shared memory)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: min(2, resident(*args)))
+    run_bwd(3, 40, 1300, width, "bfloat16", layout="cl", init=True, dfinal=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    main = plan.launches[0]
+    f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
+    assert main.grid == 2 and f["per"] >= 9
+
+
 @pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
 @pytest.mark.parametrize(
     "layout,width",
@@ -536,12 +551,12 @@ def test_time_runs_repeatable(time_runs):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-# ---- bwd_channel: groups of CHANNEL_TILES tiles, one warp each --------------------------------
+# ---- bwd_channel: groups of CHANNEL_STEPS steps, one warp each --------------------------------
 
 
 @pytest.fixture
 def channel_groups(monkeypatch):
-    """bwd_channel's groups of CHANNEL_TILES tiles for every call, however few groups it then
+    """bwd_channel's groups of CHANNEL_STEPS steps for every call, however few groups it then
     has (and bwd_channel for bfloat16 x from width 12 on)."""
     yield from forced_route(monkeypatch, "bwd_channel", CHANNEL_MIN_GROUPS=1, MMA_CL_MIN_WIDTH=1000)
 
@@ -559,8 +574,21 @@ def test_channel_groups(channel_groups, layout, width, dtype, seqlen):
     main = plan.launches[0]
     f = dict(zip(_backward_plan.CHANNEL.plan_fields, main.plan_fields, strict=True))
     steps = int(main.name.split(",")[3])  # the tile's time steps
-    assert f["group_tiles"] == _backward_plan.CHANNEL_TILES
+    assert f["group_tiles"] == _backward_plan.CHANNEL_STEPS // steps
     assert plan.n_parts == 3 * -(-seqlen // (steps * f["group_tiles"]))
+
+
+@pytest.mark.parametrize("width", (1, 4, 9))
+@pytest.mark.parametrize("seqlen", (5, 70, 600))
+def test_channel_groups_in_turn(channel_groups, monkeypatch, width, seqlen):
+    """Two blocks of warps, each warp a group after another (the staged tiles of its groups in
+    turn, short groups with fewer tiles than staging buffers)."""
+    from cupyconv import _backward_plan
+
+    monkeypatch.setattr(_backward_plan, "MAX_GRID", 2)
+    run_bwd(3, 300, seqlen, width, "bfloat16", layout="cl", init=True, dfinal=True, seed=seqlen)
+    (plan,) = _backward_plan._plans.values()
+    assert plan.launches[0].grid == 2
 
 
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])

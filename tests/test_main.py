@@ -240,7 +240,7 @@ def offline_names(*args: str) -> list[str]:
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --layout cl --ops bwd --states --seq-idx", [
-                f"bwd_channel<{T}, 4, true, 16, 4, 4>", f"bwd_reduce<{T}>", f"bwd_states<{T}>",
+                f"bwd_channel<{T}, 4, true, 8, 4, 3, 4>", f"bwd_reduce<{T}>", f"bwd_states<{T}>",
             ], id="cl-bwd-states-seq-idx",
         ),
         pytest.param(
