@@ -85,7 +85,7 @@ TIME_LONG_CHUNK = (8, 1, 1)
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
 # channel vector; tiles staged a warp, two where more would leave a block fewer than 4 warps)
-# by itemsize. 16-bit x: three tiles of 8 steps (two in flight), 1-4 % faster than two of 16 on
+# by itemsize. 16-bit x: three tiles of 8 steps (two in flight), 1-5 % faster than two of 16 on
 # rows of 2048 steps and more, 1 % slower on rows of 256 to 1024 (benchmarks/NOTES.md,
 # "bwd_channel's staging depth").
 CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}

@@ -7,18 +7,18 @@
 //       tiles a warp. R is a multiple of K.
 //       SEQ says whether seq_idx is given.
 //
-// The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R
-// rows, staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per
-// lane and row) while it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
+// The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R rows,
+// staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per lane and row)
+// while it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
 // dz there (the pre-activation recomputed from the K rows of x up to it), its dweight / dbias
-// terms, and dx at g0 + r - (K-1), whose K values of dz are then known. x rows, their segment
-// ids and dz live in rings of K register slots indexed by position mod K (steps come K at a
-// time, so every slot index is a compile-time constant). The K-1 rows of x before the group are
-// read first (from initial_states before the row). The lane's dweight / dbias sums over the
-// group are written once as part (b, group) of the partials. Groups are numbered strips
-// fastest, then time, then batch row, one per warp, divided by the plan's fast divisors
-// p.strip_divisor and p.group_divisor. dout must split into the same lane vectors as x
-// (p.dout_aligned, else it is read element by element); p.dx_aligned: dx does too.
+// terms, and dx at g0 + r - (K-1), whose K values of dz are then known. x rows, their segment ids
+// and dz live in rings of K register slots indexed by position mod K (steps come K at a time, so
+// every slot index is a compile-time constant). The K-1 rows of x before the group are read first
+// (from initial_states before the row). The lane's dweight / dbias sums over the group are written
+// once as part (b, group) of the partials. Groups are numbered strips fastest, then time, then
+// batch row, one per warp, divided by the plan's fast divisors p.strip_divisor and p.group_divisor.
+// dout must split into the same lane vectors as x (p.dout_aligned, else it is read element by
+// element); p.dx_aligned: dx does too.
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
