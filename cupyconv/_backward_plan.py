@@ -199,10 +199,10 @@ def _channel_tile(dtype: str, width: int) -> tuple[int, int, int, int]:
     a block as fit CHANNEL_SMEM, at most 4."""
     steps, lane_bytes, bufs = CHANNEL_TILE[ITEMSIZE[dtype]]
     r = -(-steps // width) * width
-    if bufs * 2 * r * 32 * lane_bytes > CHANNEL_SMEM // 4:
+    tile = 2 * r * 32 * lane_bytes  # a tile's rows of x and dout
+    if bufs * tile > CHANNEL_SMEM // 4:
         bufs = 2
-    per_warp = bufs * 2 * r * 32 * lane_bytes
-    return r, lane_bytes, bufs, max(1, min(4, CHANNEL_SMEM // per_warp))
+    return r, lane_bytes, bufs, max(1, min(4, CHANNEL_SMEM // (bufs * tile)))
 
 
 def _channel_name(dtype: str, width: int, seq: bool) -> str:
