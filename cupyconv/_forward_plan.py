@@ -114,32 +114,42 @@ FIELDS = (
 POINTERS = 7
 
 
+# Every forward kernel is a programmatic dependent launch (``Launch.pdl``): each waits for the
+# kernel before it in final_states_blocks, its first step (kernels/fwd_common.cuh).
 _ALIGNED = ("x_aligned", "out_aligned")  # rows of x / out start on the kernel's vectors
 TIME = Kernel(
-    "fwd_time", "fwd_time.cu", "FwdTimeParams", (*_ALIGNED, "chunk_divisor", "dim_divisor")
-)
+    "fwd_time", "fwd_time.cu", "FwdTimeParams", (*_ALIGNED, "chunk_divisor", "dim_divisor"),
+    pdl=True,
+)  # fmt: skip
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
     (*_ALIGNED, "span", "run", "sweep", "row_len", "staging_at", "weights_at", "out_at"),
+    pdl=True,
 )  # fmt: skip
 MMA_CL = Kernel(
     "fwd_mma_cl", "fwd_mma_cl.cu", "FwdMmaClParams",
     (*_ALIGNED, "span", "pieces", "group_divisor", "piece_divisor", "taps_at"),
+    pdl=True,
 )  # fmt: skip
 TIME_WIDE = Kernel(
     "fwd_time_wide", "fwd_time_wide.cu", "FwdTimeWideParams",
     ("out_aligned", "cols", "tap_slots", "ids_at", "warp_bytes"),
+    pdl=True,
 )  # fmt: skip
 CHANNEL = Kernel(
     "fwd_channel", "fwd_channel.cu", "FwdChannelParams",
     ("out_aligned", "strip_divisor", "step_divisor"),
+    pdl=True,
 )  # fmt: skip
 CHANNEL_WIDE = Kernel(
     "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams",
     (*_ALIGNED, "steps", "weights_at", "buffer_bytes", "buffers"),
+    pdl=True,
 )  # fmt: skip
-GENERAL = Kernel("fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",))
-FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams")
+GENERAL = Kernel(
+    "fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",), pdl=True
+)
+FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams", pdl=True)
 KERNELS = (TIME, MMA, MMA_CL, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
 
 SOURCES = bind_sources(

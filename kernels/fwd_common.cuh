@@ -35,10 +35,12 @@ __device__ __forceinline__ int64 main_warps(const P& p) { return p.main_blocks *
 // final_states[b,c,j] = h(b, c, L-1, L-(K-1)+j), j < K-1, written by the blocks past the
 // main kernel's p.main_blocks: a call that asks for final_states launches them with its main
 // kernel (one launch for both), or alone (fwd_final_states, main_blocks 0) when x has no token.
-// Returns whether this block was one of them; every kernel starts with it.
+// Returns whether this block was one of them; every kernel starts with it, and so waits here for
+// the kernel before it in the stream (every forward kernel is a programmatic dependent launch).
 template <typename T, typename P>
 __device__ __forceinline__ bool final_states_blocks(const T* x, const void* seq_idx, const void* initial_states,
                                                     T* final_states, const P& p) {
+    wait_for_previous_kernel();
     if (blockIdx.x < p.main_blocks) return false;
     using A = typename AccOf<T>::type;
     const int64 dim = p.dim, seqlen = p.seqlen, n_state = p.width - 1;

@@ -14,13 +14,13 @@
 // fastest (for channel-contiguous data: a warp's loads are coalesced), else time fastest.
 template <typename T>
 __global__ void fwd_general(FWD_ARRAYS, const __grid_constant__ FwdGeneralParams p) {
+    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using A = typename AccOf<T>::type;
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, weight_c_stride = p.weight_c_stride,
                 weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride;
     const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
               silu_act = (int)p.silu_act, channels_fastest = (int)p.channels_fastest;
     constexpr int R = GENERAL_RUN;
-    if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     const int64 n_runs = (seqlen + R - 1) / R;
     const int64 total = batch * dim * n_runs;
     for (int64 i = blockIdx.x * (int64)blockDim.x + threadIdx.x; i < total;

@@ -183,24 +183,32 @@ def test_instance_table_covers_every_width():
 
 def test_programmatic_dependent_launches_wait_before_touching_memory():
     """A kernel launched as a programmatic dependent launch may be scheduled while the kernel
-    before it runs: its body must begin with wait_for_previous_kernel() (every backward kernel
-    is launched so; the other operators' kernels are not)."""
+    before it runs: its body must begin with wait_for_previous_kernel() (every backward
+    kernel), or with final_states_blocks, whose first step it is (every forward kernel). The
+    update's and the packed-sequence states' kernels are not launched so."""
     from cupyconv._compile import kernel_dir
     from cupyconv._update_plan import LEAN, UPDATE
     from cupyconv._varlen_plan import VARLEN
 
+    waits = "    wait_for_previous_kernel();\n"
+    common = (kernel_dir() / "fwd_common.cuh").read_text()
+    states = common.split("bool final_states_blocks(", 1)[1].split(") {\n", 1)[1]
+    assert states.startswith(waits)
     pdl = set()
     for kernel in (*_forward_plan.KERNELS, *_backward_plan.KERNELS, UPDATE, LEAN, VARLEN):
         if not kernel.pdl:
             continue
         pdl.add(kernel.template)
         text = (kernel_dir() / kernel.file).read_text()
-        head = f"{kernel.template}(BWD_ARRAYS, const __grid_constant__ {kernel.params} p) {{\n"
+        arrays = "FWD_ARRAYS" if kernel in _forward_plan.KERNELS else "BWD_ARRAYS"
+        head = f"{kernel.template}({arrays}, const __grid_constant__ {kernel.params} p) {{\n"
         assert head in text, kernel
         body = text.split(head, 1)[1]
-        assert body.startswith("    wait_for_previous_kernel();\n"), kernel
-    assert pdl == {k.template for k in _backward_plan.KERNELS}
-    assert all(launch_is_pdl(k) for k in _backward_plan.KERNELS)
+        first = "    if (final_states_blocks(", "    final_states_blocks("
+        assert body.startswith(waits if arrays == "BWD_ARRAYS" else first), kernel
+    operators = (*_forward_plan.KERNELS, *_backward_plan.KERNELS)
+    assert pdl == {k.template for k in operators}
+    assert all(launch_is_pdl(k) for k in operators)
 
 
 def launch_is_pdl(kernel) -> bool:
