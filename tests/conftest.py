@@ -7,8 +7,13 @@ with a reason where CuPy or a CUDA device is missing. ``slow`` marks the full gr
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
+
+# JAX takes 75 % of the GPU's memory at its first use unless told otherwise, which would leave
+# CuPy and torch in the same process, and parallel workers (pytest -n), short of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.cache
