@@ -90,9 +90,9 @@ TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # "bwd_channel's staging depth").
 CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
-# bwd_channel: time steps per group (one group per warp; CHANNEL_STEPS // R tiles), the tiles
-# halved while the call has fewer than CHANNEL_MIN_GROUPS groups, down to groups of at least
-# CHANNEL_MIN_STEPS steps (or one tile).
+# bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
+# the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds
+# them (``_channel_group_tiles``).
 CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS = 512, 2048, 16
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
@@ -312,7 +312,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     lane_bytes = CHANNEL_TILE[itemsize][1]
     narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < CHANNEL_WIDE_FROM)
     if x_c == 1 and narrow and _channel_vectors(x, lane_bytes):
-        return _plan_channel(x, dout, dx, width, has_seq, states, itemsize)
+        return _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device)
     if not has_seq:
         plan = _plan_wide(x, dout, dx, width, states, device)
         if plan is not None:
@@ -573,23 +573,30 @@ def _channel_vectors(a: Array, lane_bytes: int) -> bool:
     return a.shape[1] % (lane_bytes // a.itemsize) == 0 and rows_aligned(a, 1, lane_bytes)
 
 
-def _plan_channel(x, dout, dx, width, has_seq, states, itemsize) -> BackwardPlan:
+def _channel_group_tiles(row_tiles: int, rows: int, steps: int, slots: int) -> int:
+    """bwd_channel's tiles a group (a warp's work) for ``rows`` rows (batch rows x channel
+    strips) of ``row_tiles`` tiles of ``steps`` steps, with ``slots`` warps resident on the
+    device. A row's groups: the fewest that make CHANNEL_MIN_GROUPS groups in all, but no more
+    than one wave of the slots holds; then as even as they can be, each of CHANNEL_MIN_STEPS to
+    CHANNEL_STEPS steps (a warp's time is its group's length)."""
+    most = max(1, CHANNEL_STEPS // steps)
+    least = min(most, max(1, -(-CHANNEL_MIN_STEPS // steps)))
+    per_row = max(1, min(-(-CHANNEL_MIN_GROUPS // rows), slots // rows))
+    tiles = min(most, max(least, -(-row_tiles // per_row)))
+    return -(-row_tiles // -(-row_tiles // tiles))  # the same groups, evened out
+
+
+def _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     steps, lane_bytes, _, warps = _channel_tile(x.dtype_name, width)
+    name = _channel_name(x.dtype_name, width, has_seq)
     strips = -(-dim // (32 * lane_bytes // itemsize))
-    tiles = max(1, CHANNEL_STEPS // steps)
+    slots = resident_blocks(device, CHANNEL.source, name, 32 * warps, 0) * warps
+    tiles = _channel_group_tiles(-(-seqlen // steps), batch * strips, steps, slots)
     groups = -(-seqlen // (steps * tiles))
-    while (
-        tiles > 1
-        and steps * (tiles // 2) >= CHANNEL_MIN_STEPS
-        and batch * groups * strips < CHANNEL_MIN_GROUPS
-    ):
-        tiles //= 2
-        groups = -(-seqlen // (steps * tiles))
     grid = _grid(batch * groups * strips, warps)
     launch = CHANNEL.launch(
-        _channel_name(x.dtype_name, width, has_seq), grid, (32 * warps, 1),
-        dout_aligned=_channel_vectors(dout, lane_bytes),
+        name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes),
         rows16=rows_aligned(x, 1) and rows_aligned(dout, 1), strip_divisor=fast_divisor(strips),
         group_divisor=fast_divisor(groups), group_tiles=tiles,

@@ -254,6 +254,33 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
             assert warps * bufs * 2 * steps * 32 * lane_bytes <= CHANNEL_SMEM, name
 
 
+@pytest.mark.parametrize(
+    "shape,tiles",
+    [
+        ((8, 5120, 2048), 64),  # 640 rows (batch rows x strips of 64 channels) of 256 tiles
+        ((1, 4096, 16384), 64),  # 64 rows: 32 groups a row make the 2048
+        ((4, 1536, 4096), 24),  # 96 rows: 22 groups a row (2112)
+        ((64, 1024, 512), 32),  # 1024 rows: 2 groups a row
+        ((8, 5120, 2400), 60),  # 300 tiles a row: 5 groups of 60 (not 4 of 64 and one of 44)
+        ((24, 4000, 512), 64),  # 1512 rows: 2 groups a row would be more than a wave
+        ((512, 1024, 512), 64),  # 8192 rows: more than a wave with one group a row
+        ((1, 256, 512), 2),  # 4 rows: groups of CHANNEL_MIN_STEPS steps
+    ],
+)
+def test_channel_groups(launches, monkeypatch, shape, tiles):
+    """bwd_channel's groups (8-step tiles of 16-bit x, strips of 64 channels; here 132 SMs x 5
+    blocks of 4 warps): the fewest a row that make CHANNEL_MIN_GROUPS in all within one wave of
+    the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS steps."""
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
+    batch, dim, seqlen = shape
+    call(cl(batch, dim, seqlen, dtype=np.float16))
+    name, plan, params = launches["launches"][0]
+    assert name == "bwd_channel" and params["group_tiles"] == tiles
+    groups = -(-seqlen // (8 * tiles))
+    assert params["group_divisor"] == _launch.fast_divisor(groups)
+    assert plan.grid * 4 >= batch * -(-dim // 64) * groups
+
+
 def test_fields_match_the_structs():
     """Every kernel's parameter struct in the prelude lists FIELDS then its plan's fields."""
     text = _backward_plan.TIME.source.prelude

@@ -557,8 +557,15 @@ def test_time_runs_repeatable(time_runs):
 @pytest.fixture
 def channel_groups(monkeypatch):
     """bwd_channel's groups of CHANNEL_STEPS steps for every call, however few groups it then
-    has (and bwd_channel for bfloat16 x from width 12 on)."""
-    yield from forced_route(monkeypatch, "bwd_channel", CHANNEL_MIN_GROUPS=1, MMA_CL_MIN_WIDTH=1000)
+    has (as for a device whose warps the rows alone fill), and bwd_channel for bfloat16 x from
+    width 12 on."""
+    from cupyconv import _backward_plan
+
+    tiles = _backward_plan._channel_group_tiles
+    most = lambda row_tiles, rows, steps, slots: tiles(row_tiles, rows, steps, 0)  # noqa: E731
+    yield from forced_route(
+        monkeypatch, "bwd_channel", _channel_group_tiles=most, MMA_CL_MIN_WIDTH=1000
+    )
 
 
 @pytest.mark.parametrize("layout", ("cl", "cl_slice"))

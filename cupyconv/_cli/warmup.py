@@ -137,8 +137,8 @@ SM90_SHARED_MEMORY = 232448  # sm_90 and the architectures not in the table
 def recording(arch: str = "sm_90"):
     """Within: ``cupyconv.warmup`` records the instances it would compile, by source, instead
     of compiling them (and kernels whose launch shape depends on the device's occupancy get a
-    stand-in count: it sizes grids, not instances; the shared memory a block may have is that
-    of ``arch``). Yields the {source: set of names} filled."""
+    stand-in count: the forward's sizes grids, not instances; the shared memory a block may
+    have is that of ``arch``). Yields the {source: set of names} filled."""
     from cupyconv import _backward_plan, _forward_plan, _update_plan, _warmup
 
     found: dict = {}
@@ -150,13 +150,23 @@ def recording(arch: str = "sm_90"):
         record(source, name, device)
         return 1
 
+    def resident_backward(device, source, name, threads, smem):
+        # a whole device's worth (132 SMs x 16 blocks): how many parts a backward call's
+        # dweight comes in, and so whether it needs bwd_reduce, follows the count
+        record(source, name, device)
+        return 132 * 16
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(_warmup, "get_kernel", record))
-        stack.enter_context(mock.patch.object(_forward_plan, "resident_blocks", resident_blocks))
         limit = OPTIN_SHARED_MEMORY.get(arch, SM90_SHARED_MEMORY)
-        stack.enter_context(
-            mock.patch.object(_forward_plan, "shared_memory_limit", lambda device: limit)
-        )
+        for module, count in (
+            (_forward_plan, resident_blocks),
+            (_backward_plan, resident_backward),
+        ):
+            stack.enter_context(mock.patch.object(module, "resident_blocks", count))
+            stack.enter_context(
+                mock.patch.object(module, "shared_memory_limit", lambda device: limit)
+            )
         # an SM holds the opt-in limit and one block's reserved kilobyte (sm_80 to sm_90)
         fit = lambda device, smem, blocks: blocks * (smem + 1024) <= limit + 1024  # noqa: E731
         stack.enter_context(mock.patch.object(_forward_plan, "blocks_fit", fit))
