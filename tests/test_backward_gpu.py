@@ -573,7 +573,7 @@ def channel_groups(monkeypatch):
 @pytest.mark.parametrize("dtype,seqlen", [("float32", 1100), ("bfloat16", 513), ("float64", 300)])
 def test_channel_groups(channel_groups, layout, width, dtype, seqlen):
     """Groups of many tiles: a batch row in one or several groups, the last cut by the row's
-    end; one part of the partials a group."""
+    end (65 tiles of 8 steps in two groups, 33 and 32); one part of the partials a group."""
     run_bwd(3, 70, seqlen, width, dtype, layout=layout, init=True, dfinal=True, seed=width)
     from cupyconv import _backward_plan
 
@@ -581,8 +581,10 @@ def test_channel_groups(channel_groups, layout, width, dtype, seqlen):
     main = plan.launches[0]
     f = dict(zip(_backward_plan.CHANNEL.plan_fields, main.plan_fields, strict=True))
     steps = int(main.name.split(",")[3])  # the tile's time steps
-    assert f["group_tiles"] == _backward_plan.CHANNEL_STEPS // steps
-    assert plan.n_parts == 3 * -(-seqlen // (steps * f["group_tiles"]))
+    row_tiles, most = -(-seqlen // steps), _backward_plan.CHANNEL_STEPS // steps
+    groups = -(-row_tiles // most)  # groups of CHANNEL_STEPS steps, evened out
+    assert f["group_tiles"] == -(-row_tiles // groups)
+    assert plan.n_parts == 3 * groups
 
 
 @pytest.mark.parametrize("width", (1, 4, 9))
