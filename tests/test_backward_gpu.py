@@ -556,9 +556,9 @@ def test_time_runs_repeatable(time_runs):
 
 @pytest.fixture
 def channel_groups(monkeypatch):
-    """bwd_channel's groups of CHANNEL_STEPS steps for every call, however few groups it then
-    has (as for a device whose warps the rows alone fill), and bwd_channel for bfloat16 x from
-    width 12 on."""
+    """bwd_channel's groups of up to CHANNEL_STEPS steps (evened out) for every call, however
+    few groups it then has (as on a device whose warps the rows alone fill), and bwd_channel
+    for bfloat16 x from width 12 on."""
     from cupyconv import _backward_plan
 
     tiles = _backward_plan._channel_group_tiles
