@@ -146,24 +146,20 @@ def recording(arch: str = "sm_90"):
     def record(source, name, device):
         found.setdefault(source, set()).add(name)
 
-    def resident_blocks(device, source, name, threads, smem):
-        record(source, name, device)
-        return 1
+    def resident(count):
+        def resident_blocks(device, source, name, threads, smem):
+            record(source, name, device)
+            return count
 
-    def resident_backward(device, source, name, threads, smem):
-        # a whole device's worth (132 SMs x 16 blocks): how many parts a backward call's
-        # dweight comes in, and so whether it needs bwd_reduce, follows the count
-        record(source, name, device)
-        return 132 * 16
+        return resident_blocks
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(_warmup, "get_kernel", record))
         limit = OPTIN_SHARED_MEMORY.get(arch, SM90_SHARED_MEMORY)
-        for module, count in (
-            (_forward_plan, resident_blocks),
-            (_backward_plan, resident_backward),
-        ):
-            stack.enter_context(mock.patch.object(module, "resident_blocks", count))
+        # The backward's count is a whole device's (132 SMs x 16 blocks): how many parts a
+        # call's dweight comes in, and so whether it needs bwd_reduce, follows it.
+        for module, count in ((_forward_plan, 1), (_backward_plan, 132 * 16)):
+            stack.enter_context(mock.patch.object(module, "resident_blocks", resident(count)))
             stack.enter_context(
                 mock.patch.object(module, "shared_memory_limit", lambda device: limit)
             )
