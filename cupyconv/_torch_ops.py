@@ -395,14 +395,12 @@ def _operator_backward(
 def _eager_backward(
     ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
 ):  # fmt: skip
-    """The lean path with the signatures the forward took, else the public backward."""
-    if ctx.signatures is not None:
-        grads = backward.lean_backward(
-            ctx.signatures, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit,
-            act,
-        )  # fmt: skip
-        if grads is not None:
-            return grads
+    """The lean path, else the public backward."""
+    grads = backward.lean_backward(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
+    )
+    if grads is not None:
+        return grads
     return backward.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act
     )
@@ -447,13 +445,11 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
-        # The lean path (``_fast.py``) with the inputs' layouts kept for the backward; else
-        # the public function (grad mode is off in here).
+        # The lean path (``_fast.py``), else the public function (grad mode is off in here).
         arrays = (x, weight, bias, seq_idx, initial_states)
         key, inputs = forward.lean_key(
             _fast.Torch, *arrays, return_final_states, None, activation, None
         )
-        ctx.signatures = _fast.known_of(key, forward.LEAN_OTHERS, len(arrays))
         res = forward.lean_call(key, inputs, return_final_states)
         if res is None:
             res = forward.causal_conv1d_fn(*arrays, return_final_states, None, activation)

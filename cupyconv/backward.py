@@ -96,12 +96,11 @@ def lean_key(
     return _fast.signature(fw, inputs, "bwd", activation, want, written=written), inputs
 
 
-def lean_backward(known, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
+def lean_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
     """The results of a call without output buffers on the lean path, for torch autograd's
-    backward: ``known`` holds the layouts of x .. initial_states taken by the forward (the
-    same tensors); None where it has no FastCall (then the public function runs)."""
+    backward; None where it has no FastCall (then the public function runs)."""
     inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
-    key = _fast.signature(_fast.Torch, inputs, "bwd", act, want, known=known)
+    key = _fast.signature(_fast.Torch, inputs, "bwd", act, want)
     fast = _fast.lookup(key)
     return None if fast is None else fast(key[1], x)[:4]
 

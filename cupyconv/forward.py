@@ -94,7 +94,7 @@ def lean_key(
 ):  # fmt: skip
     """(signature, inputs) of a call for the lean path (``cupyconv/_fast.py``): inputs are the
     arrays in the kernels' pointer order up to the last output buffer given; (None, None) where
-    the call cannot take it. Its signature has LEAN_OTHERS other arguments."""
+    the call cannot take it."""
     if fw is None or (final_states_out is not None and out is None):
         return None, None
     final = return_final_states if type(return_final_states) is bool else None
@@ -104,9 +104,6 @@ def lean_key(
     inputs = (x, weight, bias, seq_idx, initial_states, *given)
     key = _fast.signature(fw, inputs, "fwd", activation, final, written=given)
     return key, inputs
-
-
-LEAN_OTHERS = 3  # the other arguments of lean_key's signatures ("fwd", activation, final)
 
 
 def lean_call(key, inputs, return_final_states):

@@ -84,35 +84,27 @@ def causal_conv1d_update(
 
 def _torch_signature(x, weight, bias, state, lens, idx, activation):
     """``_fast.signature`` of an update on torch tensors, unrolled: a decode step's host time
-    is mostly these attribute reads, and the loop over the arrays cost as much again."""
+    is mostly this, and the loop over the arrays cost as much again."""
     try:
         px, pw, ps = x.data_ptr(), weight.data_ptr(), state.data_ptr()
         pb = 0 if bias is None else bias.data_ptr()
         pl = 0 if lens is None else lens.data_ptr()
         pi = 0 if idx is None else idx.data_ptr()
         key = (
-            _TORCH_UPDATE, activation,
+            _TORCH_UPDATE, activation, x.shape, state.is_inference(), bias is None, lens is None,
+            idx is None,
             px & 15 | (pw & 15) << 4 | (pb & 15) << 8 | (ps & 15) << 12 | (pl & 15) << 16
             | (pi & 15) << 20,
-            x.size(), x.stride(), x.dtype, x.device, x.is_neg(),
-            weight.size(), weight.stride(), weight.dtype, weight.device, weight.is_neg(),
-            state.size(), state.stride(), state.dtype, state.device, state.is_neg(),
-            state.requires_grad, state.is_inference(),
-            # (bias written out: it comes with most decode steps, and a call costs 0.1 us)
-            bias is None or (bias.size(), bias.stride(), bias.dtype, bias.device, bias.is_neg()),
-            lens is None or _torch_layout(lens),
-            idx is None or _torch_layout(idx),
         )  # fmt: skip
     except Exception:  # noqa: BLE001 - an argument the lean path cannot read: the full path
         return None
-    return key, [px, pw, pb, ps, pl, pi]
+    tensors = (x, weight, state) if bias is None else (x, weight, state, bias)
+    if lens is not None or idx is not None:
+        tensors += tuple([t for t in (lens, idx) if t is not None])
+    return key, [px, pw, pb, ps, pl, pi], tensors
 
 
 _TORCH_UPDATE = "update, torch"  # the first item of _torch_signature's keys
-
-
-def _torch_layout(t) -> tuple:
-    return (t.size(), t.stride(), t.dtype, t.device, t.is_neg())
 
 
 class _UpdateCall:

@@ -1,6 +1,6 @@
 """The lean host path's signature (cupyconv/_fast.py): what a later call must share with an
-earlier one to reuse its launches, read from torch tensors' attributes. Runs on the CPU: the
-signature reads only layouts and addresses.
+earlier one to reuse its launches, read from torch tensors' attributes and torch's layout
+check. Runs on the CPU: the signature reads only layouts and addresses.
 """
 
 from __future__ import annotations
@@ -14,23 +14,48 @@ from cupyconv import _fast  # noqa: E402
 Torch = _fast.Torch
 
 
-def sig(*arrays, others=("op", "silu"), written=(), known=None):
-    return _fast.signature(Torch, arrays, *others, written=written, known=known)
+@pytest.fixture(autouse=True)
+def fresh_calls(monkeypatch):
+    monkeypatch.setattr(_fast, "_calls", {})
 
 
-def test_addresses_come_with_the_key():
+def sig(*arrays, others=("op", "silu"), written=()):
+    return _fast.signature(Torch, arrays, *others, written=written)
+
+
+def stored(signature):
+    """A FastCall left under ``signature``."""
+    fast = _fast.FastCall(Torch, 0, None, ())
+    _fast.store(signature, fast)
+    return fast
+
+
+def test_torch_has_its_layout_check():
+    """Without it torch tensors would always take the full path (about 3 us more a call)."""
+    a = torch.zeros(2, 8)
+    assert Torch.layout_check((a,)).check(a)
+
+
+def test_addresses_and_tensors_come_with_the_key():
     a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
-    key, ptrs = sig(a, b, None)
+    key, ptrs, tensors = sig(a, b, None)
     assert ptrs == [a.data_ptr(), b.data_ptr(), 0]
     assert key[0] is Torch and key[1:3] == ("op", "silu")
+    assert tensors == (a, b)
 
 
-def test_same_layout_same_key():
-    """Other tensors of the same shapes, strides, dtypes and address bits share the key."""
+def test_same_layout_finds_the_call():
+    """Other tensors of the same shapes, strides, dtypes and address bits find the call."""
     a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
     c, d = torch.ones(2, 8, 16), torch.ones(8, 4)
     assert (a.data_ptr() - c.data_ptr()) % 16 == 0 and (b.data_ptr() - d.data_ptr()) % 16 == 0
-    assert sig(a, b)[0] == sig(c, d)[0]
+    fast = stored(sig(a, b))
+    assert _fast.lookup(sig(c, d)) is fast
+
+
+def _inference_zeros(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)
 
 
 @pytest.mark.parametrize(
@@ -42,48 +67,69 @@ def test_same_layout_same_key():
         lambda a: torch.zeros(2, 8, 16, dtype=torch.float64),  # dtype
         lambda a: torch._neg_view(a),  # a negated view of the same memory
         lambda a: torch.zeros(2 * 8 * 16 + 1)[1:].view(2, 8, 16),  # address bits (4 bytes on)
+        lambda a: torch.zeros(2, 8, 16, requires_grad=True),  # requires_grad
+        lambda a: torch.nn.Parameter(torch.zeros(2, 8, 16)),  # type
+        lambda a: _inference_zeros(2, 8, 16),  # an inference tensor
     ],
-    ids=["strides", "order", "shape", "dtype", "negated", "address"],
+    ids=["strides", "order", "shape", "dtype", "negated", "address", "grad", "type", "inference"],
 )
-def test_layout_changes_change_the_key(other):
-    a = torch.zeros(2, 8, 16)
-    assert sig(a)[0] != sig(other(a))[0]
+@pytest.mark.parametrize("position", [0, 1])
+def test_layout_changes_miss_the_call(other, position):
+    """Any difference in either tensor's layout: no FastCall (x's shape is in the key, the
+    other tensors' layouts are checked by the candidates)."""
+    a, w = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    stored(sig(a, w))
+    arrays = [a, w]
+    arrays[position] = other(arrays[position])
+    assert _fast.lookup(sig(*arrays)) is None
 
 
 def test_absent_arrays_and_other_arguments_are_part_of_the_key():
     a, b = torch.zeros(2, 8, 16), torch.zeros(8, 4)
-    assert sig(a, b, None)[0] != sig(a, None, b)[0]
-    assert sig(a, b)[0] != sig(a, b, others=("op", None))[0]
+    stored(sig(a, b, None))
+    assert _fast.lookup(sig(a, None, b)) is None
+    assert _fast.lookup(sig(a, b)) is None
+    assert _fast.lookup(sig(a, b, None, others=("op", None))) is None
+    assert _fast.lookup(sig(a, b, None)) is not None
 
 
-def test_written_buffers_add_what_decides_whether_they_may_be_written():
-    a, state = torch.zeros(2, 8, 16), torch.zeros(2, 8, 3)
-    grad_state = torch.zeros(2, 8, 3).requires_grad_()
+def test_written_buffers_must_not_be_inference_tensors_unless_the_call_was_made_for_one():
+    """Inside inference mode the layout check does not tell inference tensors apart: whether a
+    written buffer is one is part of the key."""
+    a, state = torch.zeros(2, 8, 3), torch.zeros(2, 8, 3)
     with torch.inference_mode():
-        inference_state = torch.zeros(2, 8, 3)
-    assert sig(a, state, written=(state,))[0][-2:] == (False, False)
-    assert sig(a, grad_state, written=(grad_state,))[0][-2:] == (True, False)
-    assert sig(a, inference_state, written=(inference_state,))[0][-2:] == (False, True)
-    assert len(sig(a, state)[0]) == len(sig(a, state, written=(state,))[0]) - 2
+        stored(sig(a, state, written=(state,)))
+    inference_state = _inference_zeros(2, 8, 3)
+    assert _fast.lookup(sig(a, inference_state, written=(inference_state,))) is None
+    with torch.inference_mode():
+        assert _fast.lookup(sig(a, state, written=(state,))) is not None
+    key = sig(a, inference_state, written=(inference_state,))[0]
+    assert key[-1] is True and sig(a, state, written=(state,))[0][-1] is False
 
 
-def test_known_layouts_give_the_full_key_and_fresh_addresses():
-    """An autograd backward reuses the layouts its forward read; the addresses are read again
-    (a saved tensor's storage can have been replaced)."""
-    x, w, g = torch.zeros(2, 8, 16), torch.zeros(8, 4), torch.zeros(2, 8, 16)
-    known = _fast.known_of(sig(x, w, None), 2, 3)
-    assert sig(x, w, None, g, known=known) == sig(x, w, None, g)
-    old = x.data_ptr()
-    x.set_(torch.ones(2, 8, 16).untyped_storage(), 0, (2, 8, 16), (128, 16, 1))
-    key, ptrs = sig(x, w, None, g, known=known)
-    assert ptrs[0] == x.data_ptr() != old
+def test_candidates_under_one_key_newest_first_and_bounded():
+    """Calls with the same x and other layouts of the other tensors each find their own
+    FastCall; a key keeps the newest TORCH_CANDIDATES."""
+    x = torch.zeros(2, 8, 16)
+    ws = [torch.zeros(8, 4 + i) for i in range(_fast.TORCH_CANDIDATES + 1)]
+    made = [stored(sig(x, w)) for w in ws]
+    for w, fast in list(zip(ws, made))[1:]:
+        assert _fast.lookup(sig(x, w)) is fast
+    assert _fast.lookup(sig(x, ws[0])) is None  # the oldest, dropped
+    assert len(_fast._calls[sig(x, ws[0])[0]]) == _fast.TORCH_CANDIDATES
+
+
+def test_without_torch_layout_checks_torch_calls_leave_nothing(monkeypatch):
+    monkeypatch.setattr(_fast, "_guards", False)
+    a = torch.zeros(2, 8, 16)
+    stored(sig(a))
+    assert _fast.lookup(sig(a)) is None and _fast._calls == {}
 
 
 def test_unreadable_arrays_take_the_full_path():
     import numpy as np
 
     assert sig(np.zeros(3)) is None
-    assert _fast.known_of(sig(np.zeros(3)), 2, 1) is None
 
 
 def test_framework_by_type():
@@ -107,15 +153,16 @@ def update_args():
 
 def test_update_signature_addresses_and_same_layout():
     """The update's unrolled signature: the addresses in the kernel's order (x, weight, bias,
-    conv_state, cache_seqlens, conv_state_indices), one key for another set of tensors of the
-    same layouts and address bits."""
+    conv_state, cache_seqlens, conv_state_indices); another set of tensors of the same layouts
+    and address bits finds the call."""
     a, b = update_args(), update_args()
-    key, ptrs = update_sig(**a)
+    key, ptrs, _ = update_sig(**a)
     assert ptrs == [a["x"].data_ptr(), a["w"].data_ptr(), a["b"].data_ptr()] + [
         a["state"].data_ptr(), 0, 0,
     ]  # fmt: skip
     assert all((p - q) % 16 == 0 for p, q in zip(ptrs, update_sig(**b)[1]))
-    assert key == update_sig(**b)[0]
+    fast = stored(update_sig(**a))
+    assert _fast.lookup(update_sig(**b)) is fast
 
 
 @pytest.mark.parametrize(
@@ -131,6 +178,7 @@ def test_update_signature_addresses_and_same_layout():
         ("b", lambda a: torch.zeros(16)[::2]),  # strides
         ("state", lambda a: torch.zeros(2, 3, 8).transpose(1, 2)),  # memory order
         ("state", lambda a: a.clone().requires_grad_()),  # may not be written in place
+        ("state", lambda a: _inference_zeros(2, 8, 3)),  # nor this one outside inference mode
         ("lens", lambda a: torch.zeros(2, dtype=torch.int32)),  # circular mode
         ("idx", lambda a: torch.zeros(2, dtype=torch.int64)),  # a state pool
         ("activation", lambda a: None),
@@ -139,14 +187,8 @@ def test_update_signature_addresses_and_same_layout():
 def test_update_signature_changes_with_each_argument(name, other):
     a = update_args()
     b = dict(a, **{name: other(a.get(name))})
-    assert update_sig(**a)[0] != update_sig(**b)[0]
-
-
-def test_update_signature_of_unreadable_arguments_is_none():
-    import numpy as np
-
-    a = update_args()
-    assert update_sig(**dict(a, w=np.zeros((8, 4)))) is None
+    stored(update_sig(**a))
+    assert _fast.lookup(update_sig(**b)) is None
 
 
 def test_backward_lean_key_takes_buffers_for_every_result_or_none():
@@ -185,3 +227,12 @@ def test_guards_between_present_arrays_only():
     assert fast.clear([1000, 0, 2000, 3000])
     assert not fast.clear([1000, 0, 1050, 3000])  # buffer 2 inside the input
     assert not fast.clear([1000, 0, 2000, 2005])  # the two buffers meet
+
+
+def test_one_tensor_for_two_arguments_takes_the_full_path():
+    """The layout check is false for the same tensor twice: such calls always go the full
+    way."""
+    a, b = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    stored(sig(a, b))
+    assert _fast.lookup(sig(a, a)) is None
+    assert _fast.lookup(sig(b, a)) is not None
