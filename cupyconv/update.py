@@ -83,8 +83,8 @@ def causal_conv1d_update(
 
 
 def _torch_signature(x, weight, bias, state, lens, idx, activation):
-    """``_fast.signature`` of an update on torch tensors, unrolled: a decode step's host time
-    is mostly this, and the loop over the arrays cost as much again."""
+    """``_fast.signature`` of an update on torch tensors, unrolled: it runs on every decode
+    step, where the loop over the arrays cost as much again."""
     try:
         px, pw, ps = x.data_ptr(), weight.data_ptr(), state.data_ptr()
         pb = 0 if bias is None else bias.data_ptr()

@@ -236,3 +236,17 @@ def test_one_tensor_for_two_arguments_takes_the_full_path():
     stored(sig(a, b))
     assert _fast.lookup(sig(a, a)) is None
     assert _fast.lookup(sig(b, a)) is not None
+
+
+def test_a_kept_call_keeps_no_tensor_alive():
+    """A FastCall's layout check holds layouts, not the tensors it was made for (a state pool
+    or a layer's weights are freed when the caller drops them)."""
+    import gc
+    import weakref
+
+    a = torch.zeros(64, 64)
+    alive = weakref.ref(a)
+    fast = stored(sig(a))
+    del a
+    gc.collect()
+    assert alive() is None and fast.layout is not None
