@@ -53,6 +53,37 @@ def lookup(sig: tuple | None) -> FastCall | None:
     return None
 
 
+def run(sig: tuple | None, like) -> tuple | None:
+    """Launch a call with signature ``sig`` (``signature``; ``like``: the call's x) on the
+    FastCall left for it: its new outputs (their addresses appended to the signature's). None
+    where none was left or a guard failed: take the full path. ``lookup`` and the launch in
+    one frame: each call layer costs a decode step 0.2-0.3 us."""
+    if sig is None:
+        return None
+    key, ptrs, tensors = sig
+    found = _calls.get(key)
+    if found is None:
+        return None
+    if tensors is None:  # CuPy: the key holds every layout
+        fast = found
+    else:  # torch: the candidate whose tensors' layouts these are
+        for fast in found:
+            if fast.layout.check(*tensors):
+                break
+        else:
+            return None
+    for w, o, lo, hi in fast.checks:  # = fast.clear(ptrs)
+        if ptrs[o] and lo <= ptrs[o] - ptrs[w] <= hi:
+            return None
+    if fast.like:
+        made = (_torch.empty_like(like),)
+        ptrs.append(made[0].data_ptr())
+    else:
+        made = fast.made(like, ptrs)
+    fast.replay.run(ptrs, fast.stream(fast.device))
+    return made
+
+
 def store(sig: tuple | None, call: FastCall) -> None:
     """Leave ``call`` under signature ``sig`` (torch: where its layout check can be made)."""
     if sig is None:
@@ -233,7 +264,7 @@ class FastCall:
     the arrays it allocates, None for an output it does not make; their pointers follow the
     inputs'), ``guards`` (pairs of input positions (written, other) whose byte ranges must not
     meet), ``spans`` (each input's byte range relative to its address, None when absent).
-    ``store`` gives a torch FastCall its ``layout`` check."""
+    ``store`` gives a torch FastCall its ``layout`` check; ``run`` launches it."""
 
     __slots__ = ("fw", "device", "replay", "outputs", "checks", "stream", "like", "layout")
 
@@ -253,22 +284,6 @@ class FastCall:
         self.stream = fw.stream_reader()
         self.like = fw is Torch and outputs == (LIKE,)  # one output: torch.empty_like(x)
         self.layout = None  # torch: the layout check of the tensors it was made for (store)
-
-    def __call__(self, ptrs: list[int], like) -> tuple | None:
-        """Launch on the inputs at ``ptrs`` (the operator's input arrays' addresses, in its
-        kernels' pointer order, from ``signature``; the outputs' are appended); ``like``: the
-        call's x. Returns the new outputs, or None where a guard failed (take the full
-        path). Written out in one frame: each call layer costs a decode step 0.2-0.3 us."""
-        for w, o, lo, hi in self.checks:  # = self.clear(ptrs)
-            if ptrs[o] and lo <= ptrs[o] - ptrs[w] <= hi:
-                return None
-        if self.like:
-            made = (_torch.empty_like(like),)
-            ptrs.append(made[0].data_ptr())
-        else:
-            made = self.made(like, ptrs)
-        self.replay.run(ptrs, self.stream(self.device))
-        return made
 
     def clear(self, ptrs) -> bool:
         """Whether the guards hold for the inputs at ``ptrs`` (addresses, 0 when absent)."""

@@ -54,13 +54,11 @@ def causal_conv1d_bwd(
         fw, x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
     )  # fmt: skip
-    fast = _fast.lookup(key)
-    if fast is not None:
-        made = fast(key[1], x)
+    made = _fast.run(key, x)
+    if made is not None:
         if len(inputs) == 7:  # the results are new arrays
             return made[:4]
-        if made is not None:  # the results are the caller's buffers (None where not made)
-            return inputs[7:]
+        return inputs[7:]  # the results are the caller's buffers (None where not made)
     call = _BackwardCall(
         x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
         return_dinitial_states, activation, dweight_out, dbias_out, dinitial_states_out,
@@ -101,8 +99,8 @@ def lean_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal_states,
     backward; None where it has no FastCall (then the public function runs)."""
     inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
     key = _fast.signature(_fast.Torch, inputs, "bwd", act, want)
-    fast = _fast.lookup(key)
-    return None if fast is None else fast(key[1], x)[:4]
+    made = _fast.run(key, x)
+    return None if made is None else made[:4]
 
 
 class _BackwardCall:

@@ -109,10 +109,7 @@ def lean_key(
 def lean_call(key, inputs, return_final_states):
     """The results of a call with signature ``key`` on the lean path, or None where it has no
     FastCall or a guard sends it the full way."""
-    fast = _fast.lookup(key)
-    if fast is None:
-        return None
-    made = fast(key[1], inputs[0])
+    made = _fast.run(key, inputs and inputs[0])  # (inputs None without a key)
     if made is None:
         return None
     results = inputs + made  # the kernels' pointer order: ..., out, final_states

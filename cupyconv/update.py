@@ -73,35 +73,33 @@ def causal_conv1d_update(
         else:
             inputs = (x, weight, bias, conv_state, cache_seqlens, conv_state_indices)
             key = _fast.signature(fw, inputs, "update", activation, written=(conv_state,))
-        fast = _fast.lookup(key)
-        if fast is not None:
-            made = fast(key[1], x)
-            if made is not None:
-                return made[0]
+        made = _fast.run(key, x)
+        if made is not None:
+            return made[0]
     call = _UpdateCall(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
     return _update_gpu(call, fw, key) if call.x.on_gpu else _update_cpu(call)
 
 
 def _torch_signature(x, weight, bias, state, lens, idx, activation):
     """``_fast.signature`` of an update on torch tensors, unrolled: it runs on every decode
-    step, where the loop over the arrays cost as much again."""
+    step, where the loop over the arrays cost as much again. Without the address bits: the
+    update's plan does not depend on its arrays' alignment."""
     try:
-        px, pw, ps = x.data_ptr(), weight.data_ptr(), state.data_ptr()
-        pb = 0 if bias is None else bias.data_ptr()
-        pl = 0 if lens is None else lens.data_ptr()
-        pi = 0 if idx is None else idx.data_ptr()
+        ptrs = [
+            x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            state.data_ptr(), 0 if lens is None else lens.data_ptr(),
+            0 if idx is None else idx.data_ptr(),
+        ]  # fmt: skip
         key = (
             _TORCH_UPDATE, activation, x.shape, state.is_inference(), bias is None, lens is None,
             idx is None,
-            px & 15 | (pw & 15) << 4 | (pb & 15) << 8 | (ps & 15) << 12 | (pl & 15) << 16
-            | (pi & 15) << 20,
         )  # fmt: skip
     except Exception:  # noqa: BLE001 - an argument the lean path cannot read: the full path
         return None
     tensors = (x, weight, state) if bias is None else (x, weight, state, bias)
     if lens is not None or idx is not None:
         tensors += tuple([t for t in (lens, idx) if t is not None])
-    return key, [px, pw, pb, ps, pl, pi], tensors
+    return key, ptrs, tensors
 
 
 _TORCH_UPDATE = "update, torch"  # the first item of _torch_signature's keys

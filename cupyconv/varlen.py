@@ -34,9 +34,9 @@ def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
     key = None
     if fw is not None and not v.debug_enabled() and type(state_len) is int:
         key = _fast.signature(fw, (x, cu_seqlens), "varlen", state_len)
-        fast = _fast.lookup(key)
-        if fast is not None:
-            return fast(key[1], x)[0]
+        made = _fast.run(key, x)
+        if made is not None:
+            return made[0]
     xa = v.array(x, "x", 2)
     cu = v.array(cu_seqlens, "cu_seqlens", 1, kind="index")
     if isinstance(state_len, bool) or not isinstance(state_len, (int, np.integer)):

@@ -154,14 +154,16 @@ def update_args():
 def test_update_signature_addresses_and_same_layout():
     """The update's unrolled signature: the addresses in the kernel's order (x, weight, bias,
     conv_state, cache_seqlens, conv_state_indices); another set of tensors of the same layouts
-    and address bits finds the call."""
+    finds the call, at any addresses (the update's plan reads none:
+    test_update_dispatch.py::test_the_plan_reads_no_address)."""
     a, b = update_args(), update_args()
     key, ptrs, _ = update_sig(**a)
     assert ptrs == [a["x"].data_ptr(), a["w"].data_ptr(), a["b"].data_ptr()] + [
         a["state"].data_ptr(), 0, 0,
     ]  # fmt: skip
-    assert all((p - q) % 16 == 0 for p, q in zip(ptrs, update_sig(**b)[1]))
     fast = stored(update_sig(**a))
+    assert _fast.lookup(update_sig(**b)) is fast
+    b["x"] = torch.zeros(2 * 8 + 1)[1:].view(2, 8)  # another 16-byte alignment
     assert _fast.lookup(update_sig(**b)) is fast
 
 
@@ -171,7 +173,6 @@ def test_update_signature_addresses_and_same_layout():
         ("x", lambda a: torch.zeros(2, 8, 1)),  # shape (a 3-D token)
         ("x", lambda a: torch.zeros(8, 2).t()),  # strides
         ("x", lambda a: torch.zeros(2, 8, dtype=torch.float16)),  # dtype
-        ("x", lambda a: torch.zeros(2 * 8 + 1)[1:].view(2, 8)),  # address bits
         ("w", lambda a: torch._neg_view(a)),  # a negated view
         ("w", lambda a: torch.zeros(8, 5)),  # width
         ("b", lambda a: None),  # absent

@@ -51,6 +51,22 @@ def test_decode_step_takes_the_lean_kernel(circular, tokens):
     assert plan(width=2, pool=0, circular=circular).name == f"conv_update_lean<{H}, 2, 4>"
 
 
+def test_the_plan_reads_no_address():
+    """Arrays at odd element offsets get the very launch of aligned ones: the update's lean key
+    holds no address bits (cupyconv/update.py, _torch_signature)."""
+
+    def launch(offset, lean):
+        x = FakeCudaArray((19, 136), None, "float16", offset=offset)
+        state = FakeCudaArray((19, 136, 3 if lean else 5), None, "float16", offset=offset)
+        weight = FakeCudaArray((136, 4), None, "float16", offset=offset)
+        bias = FakeCudaArray((136,), None, "float16", offset=offset)
+        return _UpdateCall(x, state, weight, bias, "silu", None, None).plan()
+
+    for lean in (True, False):
+        assert launch(1, lean) == launch(0, lean)
+    assert launch(1, True).name.startswith("conv_update_lean")
+
+
 def test_longer_circular_rows_stay_lean():
     assert plan(state_len=9, circular=True).name == f"conv_update_lean<{H}, 4, 4>"
 
