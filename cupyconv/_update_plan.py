@@ -49,8 +49,10 @@ FIELDS = (
     "silu_act",
 )  # fmt: skip
 PLAN_FIELDS = ("channel_tiles", "tiles_divisor")  # the channel tiles and their fast divisor
-UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", PLAN_FIELDS)
-LEAN = Kernel("conv_update_lean", "update.cu", "UpdateParams", PLAN_FIELDS)
+# Programmatic dependent launches (``Launch.pdl``): an update may be scheduled while the kernel
+# before it finishes (in a decode step, the previous layer's); it waits before touching memory.
+UPDATE = Kernel("conv_update", "update.cu", "UpdateParams", PLAN_FIELDS, pdl=True)
+LEAN = Kernel("conv_update_lean", "update.cu", "UpdateParams", PLAN_FIELDS, pdl=True)
 SOURCES = bind_sources(
     (UPDATE, LEAN), "cupyconv/_update_plan.py (CONSTANTS, FIELDS, UPDATE)", CONSTANTS, FIELDS
 )

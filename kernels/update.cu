@@ -425,14 +425,17 @@ template <typename T, int K> constexpr bool held = K > 0 && K <= 8 && sizeof(T) 
 template <typename T, int K>
 __global__ __launch_bounds__(UPDATE_THREADS, UPDATE_OCCUPANCY) typename EnableIf<held<T, K>>::type
 conv_update(CONV_UPDATE_PARAMS) {
+    wait_for_previous_kernel();
     update<T, K>(x, weight, bias, conv_state, cache_seqlens, conv_state_indices, out, p);
 }
 template <typename T, int K>
 __global__ typename EnableIf<!held<T, K>>::type conv_update(CONV_UPDATE_PARAMS) {
+    wait_for_previous_kernel();
     update<T, K>(x, weight, bias, conv_state, cache_seqlens, conv_state_indices, out, p);
 }
 template <typename T, int K, int R>
 __global__ __launch_bounds__(UPDATE_THREADS, UPDATE_OCCUPANCY) void conv_update_lean(CONV_UPDATE_PARAMS) {
+    wait_for_previous_kernel();
     static_assert(K >= 2 && held<T, K>, "the lean path: widths 2 to 8 of 2- and 4-byte x");
     update_lean<T, K, R>(x, static_cast<const T*>(weight), static_cast<const T*>(bias),
                          static_cast<T*>(conv_state), static_cast<const int*>(cache_seqlens),

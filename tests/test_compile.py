@@ -183,9 +183,9 @@ def test_instance_table_covers_every_width():
 
 def test_programmatic_dependent_launches_wait_before_touching_memory():
     """A kernel launched as a programmatic dependent launch may be scheduled while the kernel
-    before it runs: its body must begin with wait_for_previous_kernel() (every backward
-    kernel), or with final_states_blocks, whose first step it is (every forward kernel). The
-    update's and the packed-sequence states' kernels are not launched so."""
+    before it runs: its body must begin with wait_for_previous_kernel() (every backward and
+    update kernel), or with final_states_blocks, whose first step it is (every forward kernel).
+    The packed-sequence states' kernel is not launched so."""
     from cupyconv._compile import kernel_dir
     from cupyconv._update_plan import LEAN, UPDATE
     from cupyconv._varlen_plan import VARLEN
@@ -194,19 +194,23 @@ def test_programmatic_dependent_launches_wait_before_touching_memory():
     common = (kernel_dir() / "fwd_common.cuh").read_text()
     states = common.split("bool final_states_blocks(", 1)[1].split(") {\n", 1)[1]
     assert states.startswith(waits)
+    forward_first = "    if (final_states_blocks(", "    final_states_blocks("
     pdl = set()
     for kernel in (*_forward_plan.KERNELS, *_backward_plan.KERNELS, UPDATE, LEAN, VARLEN):
         if not kernel.pdl:
             continue
         pdl.add(kernel.template)
         text = (kernel_dir() / kernel.file).read_text()
-        arrays = "FWD_ARRAYS" if kernel in _forward_plan.KERNELS else "BWD_ARRAYS"
-        head = f"{kernel.template}({arrays}, const __grid_constant__ {kernel.params} p) {{\n"
-        assert head in text, kernel
-        body = text.split(head, 1)[1]
-        first = "    if (final_states_blocks(", "    final_states_blocks("
-        assert body.startswith(waits if arrays == "BWD_ARRAYS" else first), kernel
-    operators = (*_forward_plan.KERNELS, *_backward_plan.KERNELS)
+        if kernel in (UPDATE, LEAN):
+            head, first = f"{kernel.template}(CONV_UPDATE_PARAMS) {{\n", (waits,)
+        else:
+            arrays = "FWD_ARRAYS" if kernel in _forward_plan.KERNELS else "BWD_ARRAYS"
+            head = f"{kernel.template}({arrays}, const __grid_constant__ {kernel.params} p) {{\n"
+            first = (waits,) if arrays == "BWD_ARRAYS" else forward_first
+        bodies = text.split(head)[1:]
+        assert len(bodies) == (2 if kernel is UPDATE else 1), kernel  # conv_update: two overloads
+        assert all(body.startswith(first) for body in bodies), kernel
+    operators = (*_forward_plan.KERNELS, *_backward_plan.KERNELS, UPDATE, LEAN)
     assert pdl == {k.template for k in operators}
     assert all(launch_is_pdl(k) for k in operators)
 
