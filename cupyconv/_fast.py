@@ -7,7 +7,8 @@ again (``_launch.Replay``: kernel handles, launch shapes, parameter buffers), an
 strides and dtypes of the outputs it allocates. A later call with the same *signature*
 allocates its outputs and launches on its arrays' addresses. The signature is, for every array
 argument, its framework, shape, strides, dtype, device and the low bits of its address (what
-the checks and the plan read), with the call's other arguments:
+the checks and the plan read; the update's plan reads no address, and its key holds none),
+with the call's other arguments:
 
 - CuPy arrays: read from their attributes into the key of a dict of FastCalls;
 - torch tensors: the key holds x's shape, the low address bits and the other arguments; the

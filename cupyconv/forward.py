@@ -109,7 +109,9 @@ def lean_key(
 def lean_call(key, inputs, return_final_states):
     """The results of a call with signature ``key`` on the lean path, or None where it has no
     FastCall or a guard sends it the full way."""
-    made = _fast.run(key, inputs and inputs[0])  # (inputs None without a key)
+    if key is None:
+        return None
+    made = _fast.run(key, inputs[0])
     if made is None:
         return None
     results = inputs + made  # the kernels' pointer order: ..., out, final_states
