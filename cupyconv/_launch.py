@@ -229,12 +229,15 @@ class PdlLaunch:
 
     def __call__(self, stream: int, extra: int) -> None:
         """Launch on ``stream`` with the parameters at ``extra``; a driver error raises as
-        CuPy's would."""
+        CuPy's would. (``Replay.run`` has this inline.)"""
         if stream != self.stream:
-            self.config.hStream, self.stream = _bindings.CUstream(stream), stream
+            self.set_stream(stream)
         (err,) = _bindings.cuLaunchKernelEx(self.config, self.function, None, extra)
         if err:
             raise _DriverError(int(err))
+
+    def set_stream(self, stream: int) -> None:
+        self.config.hStream, self.stream = _bindings.CUstream(stream), stream
 
 
 class Replay:
@@ -272,8 +275,12 @@ class Replay:
             try:
                 if pdl is None:
                     _launch_kernel(function, grid, 1, 1, bx, by, 1, smem, stream_ptr, 0, extra)
-                else:
-                    pdl(stream_ptr, extra)
+                else:  # PdlLaunch.__call__ inline: a decode step pays each Python frame
+                    if stream_ptr != pdl.stream:
+                        pdl.set_stream(stream_ptr)
+                    (err,) = _bindings.cuLaunchKernelEx(pdl.config, pdl.function, None, extra)
+                    if err:
+                        raise _DriverError(int(err))
             except _DriverError:  # a thread without a current context: _launch retries
                 _launch(_cupy, function, grid, (bx, by), smem, stream_ptr, extra, self.device, pdl)
 

@@ -213,7 +213,9 @@ class _Op:
 
     ``_run`` keeps one instance per configuration (``_ops``), so that its bound methods, the
     callbacks JAX caches on, are equal from call to call (a bound method compares its instance
-    by identity): eager calls compile once per configuration.
+    by identity): eager calls compile once per configuration. Each subclass has a ``lean``
+    field outside its comparison: ``learn`` puts there the replay the instance's calls take
+    (a FastCall and the low address bits of its arrays).
     """
 
     def core(self, arrays) -> tuple:
@@ -230,9 +232,8 @@ class _Op:
         and launches on ``ctx.stream``. Buffers of bfloat16 report ``'<V2'``: dtypes come from
         the traced types. Once a configuration has run, later runs with buffers aligned alike
         replay its launches on the buffers' addresses (``cupyconv/_fast.py``)."""
-        learned = _learned.get(self)
-        if learned is not None:
-            fast, aligned = learned
+        if self.lean:
+            fast, aligned = self.lean
             ptrs = self.pointers(
                 [0 if b is None else b.__cuda_array_interface__["data"][0] for b in buffers],
                 [b.__cuda_array_interface__["data"][0] for b in outs],
@@ -266,7 +267,6 @@ class _Op:
         """Keep the lean-path replay the call on these CuPy views left behind, if any."""
 
 
-_learned: dict = {}  # _Op -> (FastCall, low address bits of its arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +277,7 @@ class _Forward(_Op):
     final: bool
     types: tuple
     channel_last: bool = False
+    lean: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def results(self) -> tuple:
         x_shape, dtype = self.types[0]
@@ -298,7 +299,7 @@ class _Forward(_Op):
         fast = _fast.lookup(key)
         if fast is not None and len(arrays) == len(inputs) + len(results):
             aligned = [0 if a is None else a.data.ptr & 15 for a in arrays]
-            remember(_learned, self, (fast, aligned))
+            self.lean[:] = fast, aligned
 
     def __call__(self, inputs, outs=None) -> tuple:
         x, weight, bias, seq_idx, initial_states = inputs
@@ -318,6 +319,7 @@ class _Backward(_Op):
     silu: bool
     types: tuple
     channel_last: bool = False
+    lean: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def results(self) -> tuple:
         x, weight, bias, _, _, initial_states, _ = self.types
@@ -351,7 +353,7 @@ class _Backward(_Op):
         fast = _fast.lookup(key)
         if fast is not None and len(arrays) == 11:
             aligned = [0 if a is None else a.data.ptr & 15 for a in arrays]
-            remember(_learned, self, (fast, aligned))
+            self.lean[:] = fast, aligned
 
     def __call__(self, inputs, outs=None) -> tuple:
         x, weight, bias, dout, seq_idx, initial_states, dfinal = inputs
