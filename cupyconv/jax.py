@@ -267,8 +267,6 @@ class _Op:
         """Keep the lean-path replay the call on these CuPy views left behind, if any."""
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class _Forward(_Op):
     """causal_conv1d_fn over (x, weight, bias, seq_idx, initial_states) -> (out, [final])."""
