@@ -203,6 +203,7 @@ def _backward(x, weight, bias, dout, seq_idx, initial_states, dfinal, silu, chan
 _ops: dict = {}
 
 
+@dataclasses.dataclass(frozen=True)
 class _Op:
     """The static configuration of one operator call (a frozen dataclass in each subclass), with
     ``types``: (shape, dtype) per input, None where absent, and ``channel_last``: the
@@ -213,10 +214,12 @@ class _Op:
 
     ``_run`` keeps one instance per configuration (``_ops``), so that its bound methods, the
     callbacks JAX caches on, are equal from call to call (a bound method compares its instance
-    by identity): eager calls compile once per configuration. Each subclass has a ``lean``
-    field outside its comparison: ``learn`` puts there the replay the instance's calls take
-    (a FastCall and the low address bits of its arrays).
+    by identity): eager calls compile once per configuration. ``lean``, outside the
+    comparison: the replay the instance's calls take once ``learn`` found one (a FastCall and
+    the low address bits of its arrays).
     """
+
+    lean: list = dataclasses.field(default_factory=list, compare=False, repr=False, kw_only=True)
 
     def core(self, arrays) -> tuple:
         """``arrays`` in the core's order (``_core_order``) for this call's layout."""
@@ -275,7 +278,6 @@ class _Forward(_Op):
     final: bool
     types: tuple
     channel_last: bool = False
-    lean: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def results(self) -> tuple:
         x_shape, dtype = self.types[0]
@@ -317,7 +319,6 @@ class _Backward(_Op):
     silu: bool
     types: tuple
     channel_last: bool = False
-    lean: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def results(self) -> tuple:
         x, weight, bias, _, _, initial_states, _ = self.types
