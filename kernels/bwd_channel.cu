@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         const int r = first + k * ROUND;
                         const bool in = !CHECKED || r < rows;
                         if (r < R) {
-                            cp_async<16>(sb + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
-                            cp_async<16>(sb + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
+                            cp_async<16, 128>(sb + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
+                            cp_async<16, 128>(sb + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
                         }
                     }
                 };
@@ -106,17 +106,17 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             const T* d = db + p0 * dout_l_stride;
             if (rows == R) {  // the whole tile in the row: no checks
                 #pragma unroll
-                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, src, BYTES);
+                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES, 128>(st + 32 * r, src, BYTES);
                 if (dout_aligned) {
                     #pragma unroll
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), d, BYTES);
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES, 128>(st + 32 * (R + r), d, BYTES);
                 }
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
+                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES, 128>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
                 if (dout_aligned) {
                     #pragma unroll 1
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES, 128>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
                 }
             }
             if (!dout_aligned) {

@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 __syncwarp();  // the stage's last readers are done
                 #pragma unroll
                 for (int v = lane; v < 32 * NV; v += 32) {
-                    cp_async<16>(sx + HV + v, xr + v, 16);
-                    cp_async<16>(sd + v, dr + v, 16);
+                    cp_async<16, 128>(sx + HV + v, xr + v, 16);
+                    cp_async<16, 128>(sd + v, dr + v, 16);
                 }
                 cp_async_commit();
                 return;
@@ -106,11 +106,11 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
             auto stage_own = [&](Raw* dst, const Raw* src) {
                 if (n == span) {
                     #pragma unroll
-                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16>(dst + v, src + v, 16);
+                    for (int v = lane; v < 32 * NV; v += 32) cp_async<16, 128>(dst + v, src + v, 16);
                 } else {
                     #pragma unroll 1
                     for (int v = lane; v < 32 * NV; v += 32)
-                        cp_async<16>(dst + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
+                        cp_async<16, 128>(dst + v, v < in_row ? src + v : src, v < in_row ? 16 : 0);
                 }
             };
             if (x_aligned && whole) {
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                     const int v = lane < HV ? lane : 32 * NV + lane;
                     const int64 pos = start + (int64)(v - HV) * VN;
                     const bool in = pos >= 0 && pos < seqlen;
-                    cp_async<16>(sx + v, in ? xr + pos : xr, in ? 16 : 0);
+                    cp_async<16, 128>(sx + v, in ? xr + pos : xr, in ? 16 : 0);
                 }
             } else {
                 T* const e = reinterpret_cast<T*>(sx);
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 if (lane < HV) {
                     const int v = 32 * NV + lane;
                     const bool in = start + (int64)v * VN < seqlen;
-                    cp_async<16>(sd + v, in ? src + v : src, in ? 16 : 0);
+                    cp_async<16, 128>(sd + v, in ? src + v : src, in ? 16 : 0);
                 }
             } else {
                 T* const e = reinterpret_cast<T*>(sd);

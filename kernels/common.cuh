@@ -72,12 +72,22 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 // Copies the first `bytes` (0..BYTES) of the BYTES at src into dst and zero-fills the rest;
-// both addresses BYTES-aligned.
-template <int BYTES>
+// both addresses BYTES-aligned. PREFETCH (0 or 128): whether a miss in L2 brings in the whole
+// 128-byte line around src, not just the sectors read. The kernels whose warps read pieces of
+// channel-contiguous rows that other warps read the rest of soon after take it (the line comes
+// from DRAM once, in one burst: benchmarks/NOTES.md, "cp.async's L2 prefetch").
+template <int BYTES, int PREFETCH = 0>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
-    if constexpr (BYTES == 16) {
+    static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
+    if constexpr (BYTES == 16 && PREFETCH) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                     "l"(src), "r"(bytes) : "memory");
+    } else if constexpr (BYTES == 16) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
                      "l"(src), "r"(bytes) : "memory");
+    } else if constexpr (PREFETCH) {
+        asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)),
+                     "l"(src), "n"(BYTES), "r"(bytes) : "memory");
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)),
                      "l"(src), "n"(BYTES), "r"(bytes) : "memory");

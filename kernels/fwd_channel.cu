@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WARPS, channel_warps_per_sm(K, SE
             #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 const bool in_row = inside || (r >= lo && r < hi);
-                cp_async<BYTES>(stage + 32 * r, in_row ? src : xb, in_row ? BYTES : 0);
+                cp_async<BYTES, 128>(stage + 32 * r, in_row ? src : xb, in_row ? BYTES : 0);
                 if (in_row) src += x_l_stride;
             }
         };

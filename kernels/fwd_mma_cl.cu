@@ -150,16 +150,16 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl
             const int64 t0 = start + rel;
             if (fast_in && rel >= lo && rel + 12 < len) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) cp_async<16>(dst + 128 * r, xa + r * x_step, 16);
+                for (int r = 0; r < 4; ++r) cp_async<16, 128>(dst + 128 * r, xa + r * x_step, 16);
             } else {
                 #pragma unroll 1
                 for (int r = 0; r < 4; ++r) {
                     const int64 pos = t0 + 4 * r;
                     const bool live = pos < end || (pos < seqlen && pos < start);  // (the D before a piece)
                     if (fast_in && pos >= 0) {
-                        cp_async<16>(dst + 128 * r, live ? xa + r * x_step : x, live ? 16 : 0);
+                        cp_async<16, 128>(dst + 128 * r, live ? xa + r * x_step : x, live ? 16 : 0);
                     } else if (!unit_ok || !live || pos < -(width - 1) || cc >= dim || (pos < 0 && !initial_states)) {
-                        cp_async<16>(dst + 128 * r, x, 0);
+                        cp_async<16, 128>(dst + 128 * r, x, 0);
                     } else {
                         Vec<T> v;
                         #pragma unroll 1
