@@ -73,9 +73,10 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 }
 // Copies the first `bytes` (0..BYTES) of the BYTES at src into dst and zero-fills the rest;
 // both addresses BYTES-aligned. PREFETCH (0 or 128): whether a miss in L2 brings in the whole
-// 128-byte line around src, not just the sectors read. The kernels whose warps read pieces of
-// channel-contiguous rows that other warps read the rest of soon after take it (the line comes
-// from DRAM once, in one burst: benchmarks/NOTES.md, "cp.async's L2 prefetch").
+// 128-byte line around src, not just the sectors read. Taken where it measured level or better
+// (benchmarks/NOTES.md, "cp.async's L2 prefetch"): most of all by fwd_mma_cl, whose blocks read
+// 64-byte runs of a position's channels that neighbouring blocks complete soon after (the line
+// then comes from DRAM once, in one burst), not by bwd_mma's channel-last form (15 % slower).
 template <int BYTES, int PREFETCH = 0>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
     static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
