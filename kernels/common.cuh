@@ -80,19 +80,15 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 template <int BYTES, int PREFETCH = 0>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
     static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
-    if constexpr (BYTES == 16 && PREFETCH) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
-                     "l"(src), "r"(bytes) : "memory");
-    } else if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
-                     "l"(src), "r"(bytes) : "memory");
-    } else if constexpr (PREFETCH) {
-        asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)),
-                     "l"(src), "n"(BYTES), "r"(bytes) : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)),
-                     "l"(src), "n"(BYTES), "r"(bytes) : "memory");
-    }
+    // .cg (L2 only) takes 16-byte copies, .ca the others.
+#define CP_ASYNC(LEVEL, HINT)                                                                      \
+    asm volatile("cp.async." LEVEL ".shared.global" HINT " [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)), \
+                 "l"(src), "n"(BYTES), "r"(bytes) : "memory")
+    if constexpr (BYTES == 16 && PREFETCH) CP_ASYNC("cg", ".L2::128B");
+    else if constexpr (BYTES == 16) CP_ASYNC("cg", "");
+    else if constexpr (PREFETCH) CP_ASYNC("ca", ".L2::128B");
+    else CP_ASYNC("ca", "");
+#undef CP_ASYNC
 }
 // cp_async<16> of a whole vector to a shared-memory address as smem_address gives it.
 __device__ __forceinline__ void cp_async_shared16(unsigned dst, const void* src) {
