@@ -205,9 +205,10 @@ _ops: dict = {}
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """The static configuration of one operator call (a frozen dataclass in each subclass), with
-    ``types``: (shape, dtype) per input, None where absent, and ``channel_last``: the
-    sequence and state arrays (every 3-D one) come as [batch, *, dim] (``core``). A subclass
+    """The static configuration of one operator call (frozen dataclasses, the fields in each
+    subclass), with ``types``: (shape, dtype) per input, None where absent, and
+    ``channel_last``: the sequence and state arrays (every 3-D one) come as [batch, *, dim]
+    (``core``). A subclass
     gives ``results()``, the ShapeDtypeStructs of its results, and ``__call__(inputs,
     outs=None)``: cupyconv's public function on ``inputs`` (numpy or CuPy arrays in the core's
     [batch, dim, *] view), written into ``outs`` when given; returns the tuple of results.
