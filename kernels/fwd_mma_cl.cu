@@ -22,8 +22,10 @@
 // 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
 // channels for each of a lane's four (position, unit) places, go back through the staging buffer
 // just read and out in 64-byte runs by the threads that copied them in. Channels' rings lie
-// 16 KS + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), and the
-// staging buffer's 16-byte pieces are swizzled, so that no access meets a bank conflict.
+// 16 KS + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
+// staging buffer's 16-byte pieces are swizzled, and the outputs' 8-byte halves are swapped at
+// positions with bit 1 set (a warp's 8-byte output store then takes two shared-memory
+// wavefronts, not four: benchmarks/NOTES.md, "fwd_mma_cl's shared memory under ncu").
 //
 // Every ring row is written (zeros before the states and past the row or the channels), since a
 // zero weight times a stale NaN would not be zero; a non-finite input meets the band's zero
@@ -268,9 +270,10 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl
                             packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }
                     }
+                    // (halves swapped where bit 1 of the position is set: two lanes a bank, not four)
                     #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp))[half] =
+                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp))[half ^ ((g >> 1) & 1)] =
                             make_uint2(packed[r][0], packed[r][1]);
                 }
                 return sums;
@@ -279,19 +282,24 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl
             const bool redo = __syncthreads_or(!isfinite(sums));  // the outputs are in the buffer
 
             // This thread's pieces out: positions i = warp + 4 r of its unit and channels.
+            // (positions warp + 4 r: bit 1 is warp's, and where it is set the halves come swapped)
             const uint4* const from = piece(buf, warp, cu, cm);
+            auto output = [&](int r) {
+                const uint4 v = from[128 * r];
+                return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
+            };
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
             if (!redo && whole_out && rel + 12 < len) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = from[128 * r];
+                for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
             } else {
                 #pragma unroll 1
                 for (int r = 0; r < 4; ++r) {
                     const int64 pos = t0 + 4 * r;
                     if (pos >= end || cc >= dim) continue;
                     Vec<T> v;
-                    v.raw = from[128 * r];
+                    v.raw = output(r);
                     if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
                     T* const o = oa + r * o_step;
                     if (whole_out) {
