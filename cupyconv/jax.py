@@ -208,10 +208,10 @@ class _Op:
     """The static configuration of one operator call (frozen dataclasses, the fields in each
     subclass), with ``types``: (shape, dtype) per input, None where absent, and
     ``channel_last``: the sequence and state arrays (every 3-D one) come as [batch, *, dim]
-    (``core``). A subclass
-    gives ``results()``, the ShapeDtypeStructs of its results, and ``__call__(inputs,
-    outs=None)``: cupyconv's public function on ``inputs`` (numpy or CuPy arrays in the core's
-    [batch, dim, *] view), written into ``outs`` when given; returns the tuple of results.
+    (``core``). A subclass gives ``results()``, the ShapeDtypeStructs of its results, and
+    ``__call__(inputs, outs=None)``: cupyconv's public function on ``inputs`` (numpy or CuPy
+    arrays in the core's [batch, dim, *] view), written into ``outs`` when given; returns the
+    tuple of results.
 
     ``_run`` keeps one instance per configuration (``_ops``), so that its bound methods, the
     callbacks JAX caches on, are equal from call to call (a bound method compares its instance
