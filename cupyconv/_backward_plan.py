@@ -70,6 +70,10 @@ CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
 MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
+# bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
+# 16 / 31: 10-15 / 6 % faster than runs of the items; width 64: 1.5 % slower), evenly split
+# runs beyond (benchmarks/NOTES.md, "bwd_mma's channel-last blocks on neighbouring channels").
+MMA_CL_WHOLE_STEPS = 3
 # bwd_mma_block (a block's warps share a channel and split dweight's lags) from this many k-steps
 # on, for spans of up to MMA_BLOCK_SPAN positions a warp.
 MMA_BLOCK_STEPS, MMA_BLOCK_SPAN = 6, 512
@@ -145,7 +149,7 @@ WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH, pdl
 MMA = Kernel(
     "bwd_mma", "bwd_mma.cu", "BwdMmaParams",
     (
-        "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "warp_bytes",
+        "x_aligned", "dout_aligned", "dx_aligned", "span", "per", "whole", "warp_bytes",
         "dout_at", "x1_at", "dout1_at", "dzl_at", "frag_at", "pad_at", "stage_at",
     ),
     pdl=True,
@@ -413,8 +417,8 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
     launch = MMA.launch(
         name, grid, (32 * warps, 1), smem(span),
         x_aligned=rows_aligned(x, 2), dout_aligned=rows_aligned(dout, 2),
-        dx_aligned=rows_aligned(dx, 2, 4), span=span, per=per, **_mma_layout(span, steps),
-        stage_at=0,
+        dx_aligned=rows_aligned(dx, 2, 4), span=span, per=per, whole=0,
+        **_mma_layout(span, steps), stage_at=0,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
@@ -494,9 +498,11 @@ def _mma_cl_layout(span: int, steps: int) -> tuple[dict, int]:
 
 
 def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
-    """Blocks of BWD_MMA_CL_WARPS warps (one channel each), one a SM, each a run of items
-    (spans of a group of channels); spans of MMA_CL_SPAN, halved down to 256 until a block fits
-    the device's shared memory (None where none fits)."""
+    """Blocks of BWD_MMA_CL_WARPS warps (one channel each), one a SM: up to MMA_CL_WHOLE_STEPS
+    k-steps block k takes the whole channel groups k, k + grid, .. while they fill every block
+    (the blocks at work read neighbouring channels); then one run of ``per`` items of the rest,
+    shared evenly. Spans of MMA_CL_SPAN, halved down to 256 until a block fits the device's
+    shared memory (None where none fits)."""
     batch, dim, seqlen = x.shape
     steps, warps = mma_steps(width), CONSTANTS["BWD_MMA_CL_WARPS"]
     span, limit = min(MMA_CL_SPAN, -(-seqlen // 256) * 256), shared_memory_limit(device)
@@ -507,13 +513,15 @@ def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
     if smem > limit:
         return None
     name = _mma_name(width, channel_last=True)
-    items = -(-dim // warps) * batch * -(-seqlen // span)
-    resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
-    grid = min(resident, items, MAX_GRID)
-    per = -(-items // grid)
+    groups, group_items = -(-dim // warps), batch * -(-seqlen // span)
+    resident = min(resident_blocks(device, MMA.source, name, 32 * warps, smem), MAX_GRID)
+    whole = groups // resident * resident if steps <= MMA_CL_WHOLE_STEPS else 0
+    rest = (groups - whole) * group_items
+    per = max(1, -(-rest // resident))
+    grid = min(resident, whole + -(-rest // per))
     launch = MMA.launch(
         name, grid, (32 * warps, 1), smem, x_aligned=True, dout_aligned=True, dx_aligned=True,
-        span=span, per=per, **layout,
+        span=span, per=per, whole=whole, **layout,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 

@@ -8,12 +8,15 @@
 //       the next item (x and dout, cp.async) into one of its two buffers while it computes the
 //       current one. A channel's fragments are built once a run.
 //       CL = 1, channel-contiguous x, dout and dx (16-byte aligned runs of 8 channels): blocks
-//       of BWD_MMA_CL_WARPS warps, one channel each, take runs of items of that many
-//       neighbouring channels (channel groups, then batch rows, the spans of a row last to
-//       first). The block stages an item's x and dout as rows of positions x channels (32-byte
-//       runs, cp.async into p.stage_at) while it computes the item before, moves them into the
-//       warps' rows (each warp then computes its channel's row as above), and writes dx back
-//       from the warps' rows as 16-byte runs of 8 channels.
+//       of BWD_MMA_CL_WARPS warps, one channel each, take items of that many neighbouring
+//       channels (a channel group: its batch rows, the spans of a row last to first) in runs:
+//       block k takes the whole groups k, k + grid, .. below p.whole (a multiple of the grid),
+//       so that the blocks at work read neighbouring groups at the same steps (whole 128-byte
+//       lines between them), then one run of p.per items of the rest. The block stages an
+//       item's x and dout as rows of positions x channels (32-byte runs, cp.async into
+//       p.stage_at) while it computes the item before, moves them into the warps' rows (each
+//       warp then computes its channel's row as above), and writes dx back from the warps' rows
+//       as 16-byte runs of 8 channels.
 //   bwd_mma_block<T, KS>
 //       T = bfloat16, time-contiguous x, any KS (widths up to 256), no seq_idx: a persistent
 //       grid of blocks of W = BWD_MMA_BLOCK_WARPS warps that share a channel. A block's item is
@@ -491,10 +494,19 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
     uint4* const stage_dout = stage_x + RUNS * (D + DL);
     for (int i = lane; i < 2 * ToeplitzTaps<KS>::SIZE; i += 32) pad[i] = 0.f;
 
-    // Items (CL: c is a group of CW channels, the warp's channel CW c + warp).
-    const int64 spans = (seqlen + S - 1) / S, n_items = (CL ? (dim + CW - 1) / CW : dim) * batch * spans;
-    const int64 first = (CL ? (int64)blockIdx.x : grid_warp()) * p.per, end = min(first + p.per, n_items);
-    if (first >= end) return;
+    // Items (CL: c is a group of CW channels, the warp's channel CW c + warp) in runs [i, end)
+    // of the Item order: run u < p.whole is the whole of group u, later runs p.per items each
+    // from there on; warp w (CL: block w) takes runs w, w + grid, .. (time-contiguous: one run).
+    const int64 spans = (seqlen + S - 1) / S, group_items = batch * spans;
+    const int64 n_items = (CL ? (dim + CW - 1) / CW : dim) * group_items, whole = p.whole;
+    const int64 n_runs = whole + (n_items - whole * group_items + p.per - 1) / p.per;
+    auto run_of = [&](int64 u, int64& lo, int64& hi) {
+        lo = u < whole ? u * group_items : whole * group_items + (u - whole) * p.per;
+        hi = min(lo + (u < whole ? group_items : p.per), n_items);
+    };
+    int64 unit = CL ? (int64)blockIdx.x : grid_warp(), i, end;
+    if (unit >= n_runs) return;
+    run_of(unit, i, end);
     auto channel_of = [&](const Item& it) { return CL ? CW * it.c + warp : it.c; };
     // Stages item `it` into buffer `buf` (CL: into the block's staging area): x from D before
     // the span, dout from the span, each over the span and, when `tail`, TB more blocks.
@@ -560,25 +572,36 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         rows(stage_dout, first_row + (unsigned)(buf ? p.dout1_at : p.dout_at), dout_rows);
     };
 
-    Item cur(first, batch, spans), nxt = cur;
-    const bool first_tail = cur.sp < spans - 1;  // the run starts inside a row: its dz past the span
-    stage(cur, 0, first_tail);
+    // A run that starts inside a row computes the dz past its first span (in buffer 0).
+    Item cur(i, batch, spans), nxt = cur;
+    bool starts = true;  // cur is its run's first item
+    int buf = 0;
+    stage(cur, 0, cur.sp < spans - 1);
     int64 channel = -1;
     float bias_c = 0.f;
     float cacc[KS][2][4] = {};
     float dw[N] = {}, db = 0.f;  // this lane's dweight (taps lane + 32 j) and dbias terms
     bool carried_nonfinite = false;
-    for (int64 i = first; i < end; ++i) {
-        const int buf = (int)((i - first) & 1);
-        const bool tail = i == first && first_tail;  // dz past the span computed here
-        if (i + 1 < end) nxt.next(batch, spans);
+    for (;;) {
+        const bool tail = starts && cur.sp < spans - 1;  // dz past the span computed here
+        // The next item: the run's, or (CL) the first of the block's next run.
+        bool more = i + 1 < end, next_starts = false;
+        int64 next_i = i + 1, next_end = end;
+        if (more) {
+            nxt.next(batch, spans);
+        } else if (CL && unit + gridDim.x < n_runs) {
+            unit += gridDim.x;
+            run_of(unit, next_i, next_end);
+            nxt = Item(next_i, batch, spans);
+            more = next_starts = true;
+        }
         if constexpr (CL) {
             cp_async_wait<0>();
             __syncthreads();  // the item's staged rows are in; the warps' rows are free
             unstage(buf, D + S + (tail ? 128 * TB : 0), S + (tail ? 128 * TB : 0));
             __syncthreads();  // the staging area is free
-            if (i + 1 < end) stage(nxt, 0, false);
-        } else if (i + 1 < end) {
+            if (more) stage(nxt, 0, next_starts && nxt.sp < spans - 1);
+        } else if (more) {
             stage(nxt, buf ^ 1, false);
             cp_async_wait<1>();
         } else {
@@ -637,7 +660,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             // The item's part of the partials: the channel's sums so far at its last item in the
             // run, zeros before (a call of a single part has one item a channel).
             const int64 part = cur.b * spans + cur.sp;
-            if (i + 1 == end || nxt.c != cur.c) {
+            if (!more || nxt.c != cur.c) {
                 // a lag at a time through the item's x buffer, done with now
                 flush_lags<KS, KS, 1>(cacc, 0, reinterpret_cast<float*>(buf ? x1 : x0), width, dw);
                 #pragma unroll
@@ -676,7 +699,10 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
                 }
             }
         }
-        cur = nxt;
+        if (!more) break;
+        cur = nxt, i = next_i, end = next_end, starts = next_starts;
+        buf = starts ? 0 : buf ^ 1;  // (a run's first item in buffer 0, which has room for the dz past it)
+        if (starts) carried_nonfinite = false;  // (its dz past the span is its own, or zeros)
         __syncwarp();  // the buffer's readers are done before it is staged again
     }
 }

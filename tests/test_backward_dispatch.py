@@ -357,7 +357,7 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
     """Channel-contiguous bfloat16 x, widths MMA_CL_MIN_WIDTH to 65 x row lengths: bwd_mma's
     channel-last form where a block of BWD_MMA_CL_WARPS warps and its staging area fit the
     opt-in limit (the staging area after the warps' areas, 16-byte aligned), spans a multiple of
-    256, runs covering every item of 16 channels; else bwd_channel or the general path."""
+    256, units covering every item of 16 channels; else bwd_channel or the general path."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
@@ -382,11 +382,37 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
             assert f["stage_at"] == warps * f["warp_bytes"] and f["stage_at"] % 16 == 0, where
             assert main.smem == f["stage_at"] + staged <= limit, where
             assert f["span"] % 256 == 0 and f["span"] <= _backward_plan.MMA_CL_SPAN, where
-            items = -(-40 // warps) * 2 * -(-seqlen // f["span"])
-            assert 1 <= main.grid <= 132 and main.grid * f["per"] >= items, where
+            groups, group_items = -(-40 // warps), 2 * -(-seqlen // f["span"])
+            rest = groups * group_items - f["whole"] * group_items  # (after the whole groups)
+            assert f["whole"] % main.grid == 0 and f["whole"] <= groups, where
+            assert 1 <= main.grid <= 132 and main.grid * f["per"] >= rest, where
             assert plan.n_parts == 2 * -(-seqlen // f["span"]), where
     fits = {232448: {2, 3, 4, 5}, 166912: {2, 3, 4}, 101376: set()}  # k-steps, by device
     assert taken == fits[limit]
+
+
+@pytest.mark.parametrize(
+    "shape,width,grid,whole,per",
+    [
+        ((8, 5120, 2048), 16, 132, 264, 14),  # 320 groups: two waves whole, 56 x 32 items left
+        ((8, 5120, 2048), 31, 132, 264, 14),
+        ((8, 5120, 2048), 64, 132, 0, 156),  # past MMA_CL_WHOLE_STEPS: runs of the items
+        ((1, 4096, 16384), 16, 132, 132, 31),  # 256 groups of 32 spans
+        ((64, 1024, 512), 16, 128, 0, 32),  # 64 groups, fewer than the blocks: runs of the items
+    ],
+)
+def test_channel_last_tensor_core_runs(monkeypatch, shape, width, grid, whole, per):
+    """bwd_mma's channel-contiguous blocks take whole channel groups while they fill every
+    block (up to MMA_CL_WHOLE_STEPS k-steps), then the rest in runs of ``per`` items, at most
+    one a block."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
+    batch, dim, seqlen = shape
+    x = bf16_rows(batch, dim, seqlen, strides=(dim * seqlen, 1, dim))
+    main = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0).launches[0]
+    f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
+    assert (main.grid, f["whole"], f["per"]) == (grid, whole, per), f
 
 
 def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypatch):

@@ -262,8 +262,9 @@ def test_tensor_core_channel_last_widths(tensor_cores, width, layout):
 
 @pytest.mark.parametrize("width", (16, 33, 64))
 def test_tensor_core_channel_last_runs(tensor_cores, monkeypatch, width):
-    """Channel-contiguous x on two blocks, each a run of many items (spans of rows, batch rows,
-    channel groups) staged one after another."""
+    """Channel-contiguous x on two blocks: up to MMA_CL_WHOLE_STEPS k-steps each takes a whole
+    group of channels (its batch rows' spans, staged one after another), then half the third
+    group's items (the second half starting inside a row); beyond, each half of all items."""
     from cupyconv import _backward_plan
 
     resident = _backward_plan.resident_blocks  # (which also opts the kernel into its shared memory)
@@ -272,7 +273,11 @@ def test_tensor_core_channel_last_runs(tensor_cores, monkeypatch, width):
     (plan,) = _backward_plan._plans.values()
     main = plan.launches[0]
     f = dict(zip(_backward_plan.MMA.plan_fields, main.plan_fields, strict=True))
-    assert main.grid == 2 and f["per"] >= 9
+    group_items = 3 * -(-1300 // f["span"])
+    if _backward_plan.mma_steps(width) <= _backward_plan.MMA_CL_WHOLE_STEPS:
+        assert (main.grid, f["whole"], f["per"]) == (2, 2, -(-group_items // 2))
+    else:
+        assert (main.grid, f["whole"], f["per"]) == (2, 0, -(-3 * group_items // 2))
 
 
 @pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
