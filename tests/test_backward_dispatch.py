@@ -357,7 +357,8 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
     """Channel-contiguous bfloat16 x, widths MMA_CL_MIN_WIDTH to 65 x row lengths: bwd_mma's
     channel-last form where a block of BWD_MMA_CL_WARPS warps and its staging area fit the
     opt-in limit (the staging area after the warps' areas, 16-byte aligned), spans a multiple of
-    256, units covering every item of 16 channels; else bwd_channel or the general path."""
+    256, whole groups then runs covering every item of 16 channels; else bwd_channel or the
+    general path."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
