@@ -71,9 +71,10 @@ MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
-# 16 / 31: 10-15 / 6 % faster than runs of the items; width 64: 1.5 % slower), evenly split
-# runs beyond (benchmarks/NOTES.md, "bwd_mma's channel-last blocks on neighbouring channels").
-MMA_CL_WHOLE_STEPS = 3
+# 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
+# slower), evenly split runs beyond (benchmarks/NOTES.md, "bwd_mma's channel-last blocks on
+# neighbouring channels").
+MMA_CL_WHOLE_STEPS = 4
 # bwd_mma_block (a block's warps share a channel and split dweight's lags) from this many k-steps
 # on, for spans of up to MMA_BLOCK_SPAN positions a warp.
 MMA_BLOCK_STEPS, MMA_BLOCK_SPAN = 6, 512

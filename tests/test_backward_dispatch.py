@@ -397,6 +397,7 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
     [
         ((8, 5120, 2048), 16, 132, 264, 14),  # 320 groups: two waves whole, 56 x 32 items left
         ((8, 5120, 2048), 31, 132, 264, 14),
+        ((8, 5120, 2048), 48, 132, 264, 14),  # KS 4 (spans of 512)
         ((8, 5120, 2048), 64, 132, 0, 156),  # past MMA_CL_WHOLE_STEPS: runs of the items
         ((1, 4096, 16384), 16, 132, 132, 31),  # 256 groups of 32 spans
         ((64, 1024, 512), 16, 128, 0, 32),  # 64 groups, fewer than the blocks: runs of the items

@@ -260,7 +260,7 @@ def test_tensor_core_channel_last_widths(tensor_cores, width, layout):
     run_bwd(2, 40, 1300, width, "bfloat16", layout=layout, seed=width)
 
 
-@pytest.mark.parametrize("width", (16, 33, 64))
+@pytest.mark.parametrize("width", (16, 33, 48, 64))
 def test_tensor_core_channel_last_runs(tensor_cores, monkeypatch, width):
     """Channel-contiguous x on two blocks: up to MMA_CL_WHOLE_STEPS k-steps each takes a whole
     group of channels (its batch rows' spans, staged one after another), then half the third
