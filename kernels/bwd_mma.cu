@@ -504,9 +504,9 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         lo = u < whole ? u * group_items : whole * group_items + (u - whole) * p.per;
         hi = min(lo + (u < whole ? group_items : p.per), n_items);
     };
-    int64 unit = CL ? (int64)blockIdx.x : grid_warp(), i, end;
-    if (unit >= n_runs) return;
-    run_of(unit, i, end);
+    int64 run = CL ? (int64)blockIdx.x : grid_warp(), i, end;
+    if (run >= n_runs) return;
+    run_of(run, i, end);
     auto channel_of = [&](const Item& it) { return CL ? CW * it.c + warp : it.c; };
     // Stages item `it` into buffer `buf` (CL: into the block's staging area): x from D before
     // the span, dout from the span, each over the span and, when `tail`, TB more blocks.
@@ -589,9 +589,9 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
         int64 next_i = i + 1, next_end = end;
         if (more) {
             nxt.next(batch, spans);
-        } else if (CL && unit + gridDim.x < n_runs) {
-            unit += gridDim.x;
-            run_of(unit, next_i, next_end);
+        } else if (CL && run + gridDim.x < n_runs) {
+            run += gridDim.x;
+            run_of(run, next_i, next_end);
             nxt = Item(next_i, batch, spans);
             more = next_starts = true;
         }
