@@ -97,8 +97,12 @@ CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
 # the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds
-# them (``_channel_group_tiles``).
-CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS = 512, 2048, 16
+# them (``_channel_group_tiles``); up to CHANNEL_LONG_STEPS where groups of CHANNEL_STEPS would
+# take more than one wave and those fit one (bfloat16 widths 3 / 5 / 6 / 7 on (8, 5120, 2048),
+# tiles of 9 / 10 / 12 / 14 steps: 2.9 / 2.9 / 2.6 / 2.0 -> 3.4 / 3.3 / 2.95 / 2.5 TB/s; float32
+# in one wave of groups twice as long, 4-5 % slower than in 1.7 waves; benchmarks/NOTES.md,
+# "bwd_channel's groups in one wave").
+CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS, CHANNEL_LONG_STEPS = 512, 2048, 16, 640
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -587,11 +591,16 @@ def _channel_group_tiles(row_tiles: int, rows: int, steps: int, slots: int) -> i
     strips) of ``row_tiles`` tiles of ``steps`` steps, with ``slots`` warps resident on the
     device. A row's groups: the fewest that make CHANNEL_MIN_GROUPS groups in all, but no more
     than one wave of the slots holds; then as even as they can be, each of CHANNEL_MIN_STEPS to
-    CHANNEL_STEPS steps (a warp's time is its group's length)."""
+    CHANNEL_STEPS steps (a warp's time is its group's length). Where that takes more than one
+    wave and groups of up to CHANNEL_LONG_STEPS fit one, those."""
+    wave = slots // rows  # groups a row that one wave holds
     most = max(1, CHANNEL_STEPS // steps)
     least = min(most, max(1, -(-CHANNEL_MIN_STEPS // steps)))
-    per_row = max(1, min(-(-CHANNEL_MIN_GROUPS // rows), slots // rows))
+    per_row = max(1, min(-(-CHANNEL_MIN_GROUPS // rows), wave))
     tiles = min(most, max(least, -(-row_tiles // per_row)))
+    one_wave = -(-row_tiles // wave) if wave else 0  # tiles a group, one wave
+    if -(-row_tiles // tiles) > wave and 0 < one_wave * steps <= CHANNEL_LONG_STEPS:
+        tiles = one_wave
     return -(-row_tiles // -(-row_tiles // tiles))  # the same groups, evened out
 
 

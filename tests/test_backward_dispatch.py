@@ -261,7 +261,8 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
         ((1, 4096, 16384), 64),  # 64 rows: 32 groups a row make the 2048
         ((4, 1536, 4096), 24),  # 96 rows: 22 groups a row (2112)
         ((64, 1024, 512), 32),  # 1024 rows: 2 groups a row
-        ((8, 5120, 2400), 60),  # 300 tiles a row: 5 groups of 60 (not 4 of 64 and one of 44)
+        ((8, 5120, 2400), 75),  # 300 tiles a row: 4 groups of 75 (5 would be more than a wave)
+        ((8, 5120, 2304), 72),  # 288 tiles a row: 4 groups of 72 (not 5 of up to 58)
         ((24, 4000, 512), 64),  # 1512 rows: 2 groups a row would be more than a wave
         ((512, 1024, 512), 64),  # 8192 rows: more than a wave with one group a row
         ((1, 256, 512), 2),  # 4 rows: groups of CHANNEL_MIN_STEPS steps
@@ -270,7 +271,8 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
 def test_channel_groups(launches, monkeypatch, shape, tiles):
     """bwd_channel's groups (8-step tiles of 16-bit x, strips of 64 channels; here 132 SMs x 5
     blocks of 4 warps): the fewest a row that make CHANNEL_MIN_GROUPS in all within one wave of
-    the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS steps."""
+    the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS steps, longer
+    where groups that short would take more than one wave."""
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
     batch, dim, seqlen = shape
     call(cl(batch, dim, seqlen, dtype=np.float16))
