@@ -258,12 +258,19 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                     tail = sid < 0 ? A(0) : gm;
                 }
 
+                // A chunk cut by the row's end runs its passes up to the row's last vector: dz past
+                // the row is 0, and so is the next pass's where it has no position in the row.
+                const int passes = TAIL ? (n + 32 * VN - 1) / (32 * VN) : NV;
                 A cur[VN], nxt[VN];
                 dz_vector(lane, cur);
                 #pragma unroll 2
-                for (int j = 0; j < NV; ++j) {
+                for (int j = 0; j < passes; ++j) {
                     const int q = 32 * j + lane, i = q * VN;
-                    if (j + 1 < NV) dz_vector(q + 32, nxt);
+                    if (j + 1 < passes) dz_vector(q + 32, nxt);
+                    else if (TAIL) {
+                        #pragma unroll
+                        for (int o = 0; o < VN; ++o) nxt[o] = A(0);
+                    }
                     // dz at positions start + i .. start + i + VN + K - 2: this vector's, then the K-1
                     // after it from the lanes that computed them (each source lane sends the value its
                     // reader needs), then, past the chunk, the tail values.

@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(32 * WARPS, time_warps_per_sm(K, SEQ, NV, size
 
         #pragma unroll
         for (int j = 0; j < NV; ++j) {
+            if (j > 0 && 32 * j * VN >= n) break;  // the passes past the row's end
             const int i = (32 * j + lane) * VN;  // chunk offset of this vector
             A win[HE + VN];  // positions start + i - HE .. start + i + VN - 1
             #pragma unroll
