@@ -598,8 +598,8 @@ def _channel_group_tiles(row_tiles: int, rows: int, steps: int, slots: int) -> i
     least = min(most, max(1, -(-CHANNEL_MIN_STEPS // steps)))
     per_row = max(1, min(-(-CHANNEL_MIN_GROUPS // rows), wave))
     tiles = min(most, max(least, -(-row_tiles // per_row)))
-    one_wave = -(-row_tiles // wave) if wave else 0  # tiles a group, one wave
-    if -(-row_tiles // tiles) > wave and 0 < one_wave * steps <= CHANNEL_LONG_STEPS:
+    one_wave = -(-row_tiles // max(wave, 1))  # tiles a group with a wave's groups a row
+    if wave and -(-row_tiles // tiles) > wave and one_wave * steps <= CHANNEL_LONG_STEPS:
         tiles = one_wave
     return -(-row_tiles // -(-row_tiles // tiles))  # the same groups, evened out
 
