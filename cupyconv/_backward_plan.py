@@ -55,7 +55,8 @@ CONSTANTS = {
     "WIDE_BATCH": 8,  # bwd_wide: loads a thread has in flight while it stages rows
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
-    "REDUCE_WARPS": 8,  # bwd_reduce: warps a block of 32 sums (warp w: parts w, w + 8, ...)
+    "REDUCE_WARPS": 8,  # bwd_reduce: warps a block (warp w: parts w, w + 8, ...)
+    "REDUCE_SUMS": 4,  # bwd_reduce: sums a thread (a block adds 32 REDUCE_SUMS)
 }
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
@@ -630,9 +631,10 @@ def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, sc
     if states and width > 1 and batch > 0:
         grid = _grid(batch * dim, STATES_THREADS)
         launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
-    if n_parts != 1:  # bwd_reduce: 32 of the dim (width + 1) sums a block
+    if n_parts != 1:  # bwd_reduce: 32 REDUCE_SUMS of the dim (width + 1) sums a block
         block = (32 * CONSTANTS["REDUCE_WARPS"], 1)
-        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", _grid(dim * (width + 1), 32), block))
+        grid = _grid(dim * (width + 1), 32 * CONSTANTS["REDUCE_SUMS"])
+        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", grid, block))
     return BackwardPlan(tuple(launches), n_parts, scratch)
 
 

@@ -12,11 +12,12 @@
 //                   with dfinal_states dx at the row's last K-1 positions again, with the
 //                   gradient of final_states added (dz of those positions recomputed; every
 //                   layout's plan launches it when either is given).
-//   bwd_reduce<T>   32 sums (c, k) a block of REDUCE_WARPS warps, lane l the block's sum l
-//                   (consecutive lanes read consecutive sums of a part): warp w adds parts w,
-//                   w + REDUCE_WARPS, ... of it, then warp 0 the warps' totals in warp order,
-//                   into dweight[c, k] (k < K) or dbias[c] (k = K): a fixed order. Not
-//                   launched for a single part (write_sum).
+//   bwd_reduce<T>   32 REDUCE_SUMS sums (c, k) a block of REDUCE_WARPS warps, lane l the
+//                   block's sums l, l + 32, ... (a warp's load reads 32 consecutive sums of a
+//                   part): warp w adds parts w, w + REDUCE_WARPS, ... of them, then warp j the
+//                   warps' totals of sums l + 32 j in warp order, into dweight[c, k] (k < K) or
+//                   dbias[c] (k = K): a fixed order. Not launched for a single part
+//                   (write_sum).
 // p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
 // contiguous data: coalesced), else time fastest. Every kernel loops over its work grid-stride;
 // every offset is 64-bit.
@@ -185,23 +186,32 @@ template <typename T>
 __global__ void __launch_bounds__(32 * REDUCE_WARPS) bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
     wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
-    __shared__ A totals[REDUCE_WARPS][32];
+    constexpr int S = REDUCE_SUMS;
+    static_assert(S <= REDUCE_WARPS, "a warp adds up each of a thread's sums");
+    __shared__ A totals[REDUCE_WARPS][S][32];
     const int64 row = p.width + 1, sums = p.dim * row, n_parts = p.n_parts;
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-    for (int64 first = blockIdx.x * 32LL; first < sums; first += gridDim.x * 32LL) {
-        const int64 i = first + lane;
-        A sum = A(0);
-        if (i < sums) {
-            #pragma unroll 4
-            for (int64 part = warp; part < n_parts; part += REDUCE_WARPS) sum += partials[part * sums + i];
-        }
-        totals[warp][lane] = sum;
-        __syncthreads();
-        if (warp == 0 && i < sums) {
+    for (int64 first = blockIdx.x * (32LL * S) + lane; first - lane < sums; first += gridDim.x * (32LL * S)) {
+        A sum[S] = {};  // sums first + 32 j
+        #pragma unroll 2
+        for (int64 part = warp; part < n_parts; part += REDUCE_WARPS) {
+            const A* const q = partials + part * sums + first;
             #pragma unroll
-            for (int w = 1; w < REDUCE_WARPS; ++w) sum += totals[w][lane];
-            const int64 c = i / row;
-            write_result(dweight, dbias, p, c, i - c * row, sum);
+            for (int j = 0; j < S; ++j)
+                if (first + 32 * j < sums) sum[j] += q[32 * j];
+        }
+        #pragma unroll
+        for (int j = 0; j < S; ++j) totals[warp][j][lane] = sum[j];
+        __syncthreads();
+        if (warp < S) {  // warp j: the block's sums first + 32 j, the warps' totals in warp order
+            const int64 i = first + 32 * warp;
+            if (i < sums) {
+                A total = totals[0][warp][lane];
+                #pragma unroll
+                for (int w = 1; w < REDUCE_WARPS; ++w) total += totals[w][warp][lane];
+                const int64 c = sums < (1LL << 31) ? (int64)((int)i / (int)row) : i / row;  // (32-bit where it fits)
+                write_result(dweight, dbias, p, c, i - c * row, total);
+            }
         }
         __syncthreads();
     }

@@ -121,12 +121,12 @@ def test_partials_and_scratch(launches):
 
 
 def test_reduce_launch(launches):
-    """bwd_reduce: 32 sums (of dim (width + 1)) a block of REDUCE_WARPS warps."""
+    """bwd_reduce: 32 REDUCE_SUMS sums (of dim (width + 1)) a block of REDUCE_WARPS warps."""
     call(cf(3, 100, 5000), 4)
     (name, plan, params) = launches["launches"][-1]
     assert name == "bwd_reduce" and params["n_parts"] > 1
-    warps = _backward_plan.CONSTANTS["REDUCE_WARPS"]
-    assert plan.block == (32 * warps, 1) and plan.grid == -(-100 * 5 // 32)
+    warps, sums = _backward_plan.CONSTANTS["REDUCE_WARPS"], _backward_plan.CONSTANTS["REDUCE_SUMS"]
+    assert plan.block == (32 * warps, 1) and plan.grid == -(-100 * 5 // (32 * sums))
 
 
 @pytest.mark.parametrize(
