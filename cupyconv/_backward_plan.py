@@ -56,8 +56,12 @@ CONSTANTS = {
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
     "REDUCE_WARPS": 8,  # bwd_reduce: warps a block (warp w: parts w, w + 8, ...)
-    "REDUCE_SUMS": 4,  # bwd_reduce: sums a thread (a block adds 32 REDUCE_SUMS)
 }
+# bwd_reduce: a thread adds REDUCE_SUMS of the call's dim (width + 1) sums where there are more
+# than REDUCE_MANY (about one wave of 32-sum blocks on the H200), else one: on (8, 5120, 2048)
+# widths 16 / 64 1-2 / 2.5 % faster, width 4 (25,600 sums) 1.5 % slower (benchmarks/NOTES.md,
+# "bwd_reduce's blocks, again").
+REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
 # the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
@@ -261,8 +265,10 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     by source."""
     found: dict = {}
     for d in dtypes:
-        for k in (WIDE, DZ, DX, WEIGHT, STATES, REDUCE):
+        for k in (WIDE, DZ, DX, WEIGHT, STATES):
             found.setdefault(k.source, set()).add(f"{k.template}<{C_TYPES[d]}>")
+        for per in (1, REDUCE_SUMS):
+            found.setdefault(REDUCE.source, set()).add(f"bwd_reduce<{C_TYPES[d]}, {per}>")
         for w in widths:
             for seq in (False, True):
                 if w <= TIME_MAX_WIDTH:
@@ -631,10 +637,11 @@ def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, sc
     if states and width > 1 and batch > 0:
         grid = _grid(batch * dim, STATES_THREADS)
         launches.append(STATES.launch(f"bwd_states<{t}>", grid, (STATES_THREADS, 1)))
-    if n_parts != 1:  # bwd_reduce: 32 REDUCE_SUMS of the dim (width + 1) sums a block
+    if n_parts != 1:  # bwd_reduce: 32 of the dim (width + 1) sums a block, or 32 REDUCE_SUMS
+        sums = dim * (width + 1)
+        per = REDUCE_SUMS if sums > REDUCE_MANY else 1
         block = (32 * CONSTANTS["REDUCE_WARPS"], 1)
-        grid = _grid(dim * (width + 1), 32 * CONSTANTS["REDUCE_SUMS"])
-        launches.append(REDUCE.launch(f"bwd_reduce<{t}>", grid, block))
+        launches.append(REDUCE.launch(f"bwd_reduce<{t}, {per}>", _grid(sums, 32 * per), block))
     return BackwardPlan(tuple(launches), n_parts, scratch)
 
 

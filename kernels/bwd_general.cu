@@ -12,12 +12,12 @@
 //                   with dfinal_states dx at the row's last K-1 positions again, with the
 //                   gradient of final_states added (dz of those positions recomputed; every
 //                   layout's plan launches it when either is given).
-//   bwd_reduce<T>   32 REDUCE_SUMS sums (c, k) a block of REDUCE_WARPS warps, lane l the
-//                   block's sums l, l + 32, ... (a warp's load reads 32 consecutive sums of a
-//                   part): warp w adds parts w, w + REDUCE_WARPS, ... of them, then warp j the
-//                   warps' totals of sums l + 32 j in warp order, into dweight[c, k] (k < K) or
-//                   dbias[c] (k = K): a fixed order. Not launched for a single part
-//                   (write_sum).
+//   bwd_reduce<T, S>  32 S sums (c, k) a block of REDUCE_WARPS warps, lane l the block's sums
+//                   l, l + 32, ... (a warp's load reads 32 consecutive sums of a part): warp w
+//                   adds parts w, w + REDUCE_WARPS, ... of them, then warp j the warps' totals
+//                   of sums l + 32 j in warp order, into dweight[c, k] (k < K) or dbias[c]
+//                   (k = K): a fixed order, the same for every S. Not launched for a single
+//                   part (write_sum).
 // p.channels_fastest numbers the threads of bwd_dz and bwd_dx channels fastest (channel-
 // contiguous data: coalesced), else time fastest. Every kernel loops over its work grid-stride;
 // every offset is 64-bit.
@@ -182,18 +182,17 @@ __global__ void bwd_states(BWD_ARRAYS, const __grid_constant__ BwdStatesParams p
     }
 }
 
-template <typename T>
+template <typename T, int S>
 __global__ void __launch_bounds__(32 * REDUCE_WARPS) bwd_reduce(BWD_ARRAYS, const __grid_constant__ BwdReduceParams p) {
     wait_for_previous_kernel();
     using A = typename AccOf<T>::type;
-    constexpr int S = REDUCE_SUMS;
     static_assert(S <= REDUCE_WARPS, "a warp adds up each of a thread's sums");
     __shared__ A totals[REDUCE_WARPS][S][32];
     const int64 row = p.width + 1, sums = p.dim * row, n_parts = p.n_parts;
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     for (int64 first = blockIdx.x * (32LL * S) + lane; first - lane < sums; first += gridDim.x * (32LL * S)) {
         A sum[S] = {};  // sums first + 32 j
-        #pragma unroll 2
+        #pragma unroll 4
         for (int64 part = warp; part < n_parts; part += REDUCE_WARPS) {
             const A* const q = partials + part * sums + first;
             #pragma unroll

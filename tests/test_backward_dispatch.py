@@ -121,12 +121,17 @@ def test_partials_and_scratch(launches):
 
 
 def test_reduce_launch(launches):
-    """bwd_reduce: 32 REDUCE_SUMS sums (of dim (width + 1)) a block of REDUCE_WARPS warps."""
-    call(cf(3, 100, 5000), 4)
-    (name, plan, params) = launches["launches"][-1]
-    assert name == "bwd_reduce" and params["n_parts"] > 1
-    warps, sums = _backward_plan.CONSTANTS["REDUCE_WARPS"], _backward_plan.CONSTANTS["REDUCE_SUMS"]
-    assert plan.block == (32 * warps, 1) and plan.grid == -(-100 * 5 // (32 * sums))
+    """bwd_reduce: 32 sums (of dim (width + 1)) a block of REDUCE_WARPS warps, 32 REDUCE_SUMS
+    where there are more than REDUCE_MANY."""
+    warps = _backward_plan.CONSTANTS["REDUCE_WARPS"]
+    per = _backward_plan.REDUCE_SUMS
+    for dim, sums_a_thread in ((100, 1), (_backward_plan.REDUCE_MANY // 5 + 1, per)):
+        launches["launches"].clear()
+        call(cf(3, dim, 5000), 4)
+        (name, plan, params) = launches["launches"][-1]
+        assert plan.name == f"bwd_reduce<float, {sums_a_thread}>" and params["n_parts"] > 1
+        assert plan.block == (32 * warps, 1)
+        assert plan.grid == -(-dim * 5 // (32 * sums_a_thread))
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def test_default_command_without_gpu():
     assert "check on the CPU path (numpy arrays): all 72 match the float64 reference" in out
     if not nvrtc_missing():
         assert "compile check: 15 forward kernel instances compile with NVRTC" in out
-        assert "18 backward, update and varlen instances for sm_90" in out
+        assert "19 backward, update and varlen instances for sm_90" in out
     assert "bench: no GPU (" in out and "nothing to time (6 cases skipped)" in out
     assert out.rstrip().endswith("ok")
 
@@ -240,7 +240,7 @@ def offline_names(*args: str) -> list[str]:
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --layout cl --ops bwd --states --seq-idx", [
-                f"bwd_channel<{T}, 4, true, 8, 4, 3, 4>", f"bwd_reduce<{T}>", f"bwd_states<{T}>",
+                f"bwd_channel<{T}, 4, true, 8, 4, 3, 4>", f"bwd_reduce<{T}, 1>", f"bwd_states<{T}>",
             ], id="cl-bwd-states-seq-idx",
         ),
         pytest.param(
