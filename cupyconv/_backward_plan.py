@@ -58,9 +58,9 @@ CONSTANTS = {
     "REDUCE_WARPS": 8,  # bwd_reduce: warps a block (warp w: parts w, w + 8, ...)
 }
 # bwd_reduce: a thread adds REDUCE_SUMS of the call's dim (width + 1) sums where there are more
-# than REDUCE_MANY (about one wave of 32-sum blocks on the H200), else one: on (8, 5120, 2048)
-# widths 16 / 64 1-2 / 2.5 % faster, width 4 (25,600 sums) 1.5 % slower (benchmarks/NOTES.md,
-# "bwd_reduce's blocks, again").
+# than REDUCE_MANY (about one wave of 32-sum blocks on the H200), else one. Four a thread made
+# (8, 5120, 2048) at widths 16 / 64 1-2 / 2.5 % faster, at width 4 (25,600 sums) 1.5 % slower
+# (benchmarks/NOTES.md, "bwd_reduce's blocks, again").
 REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times

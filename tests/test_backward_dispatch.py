@@ -128,7 +128,7 @@ def test_reduce_launch(launches):
     for dim, sums_a_thread in ((100, 1), (_backward_plan.REDUCE_MANY // 5 + 1, per)):
         launches["launches"].clear()
         call(cf(3, dim, 5000), 4)
-        (name, plan, params) = launches["launches"][-1]
+        (_, plan, params) = launches["launches"][-1]
         assert plan.name == f"bwd_reduce<float, {sums_a_thread}>" and params["n_parts"] > 1
         assert plan.block == (32 * warps, 1)
         assert plan.grid == -(-dim * 5 // (32 * sums_a_thread))
