@@ -13,16 +13,17 @@
 // vectors after it in shared memory (cp.async, coalesced 16-byte vectors; rows that are
 // misaligned, strided or cut mid-vector element by element), then lane l computes the vectors
 // l, l + 32, ... of the chunk: dz at its vector's VN positions (the pre-activation recomputed
-// from x; the vector's VN SiLU derivatives in one branch, so that they interleave), the K-1
-// values of dz after them from the next lanes by shuffles, dx at its VN positions, and its
-// share of the dweight / dbias sums. After the run the warp adds the lanes' shares in a fixed
-// tree, and K + 1 of its lanes write the sums as part `run` of the partials. Positions before
-// the row are initial_states (zeros without them); dz past the row's end is 0. The work item
-// is divided by the plan's fast divisor p.dim_divisor, the run's first chunk by
-// p.chunk_divisor (chunks per row). p.x_aligned / p.dout_aligned / p.dx_aligned: rows
-// time-contiguous and starting on 16-byte boundaries. p.whole_rows: every row is one whole chunk
-// and x and dout are aligned, so a chunk is staged as its row's vectors alone (no halo copies,
-// no bounds: x's halo before the row stays zero, the chunk's tail past the row is 0).
+// from x; the vector's VN SiLU derivatives in one branch, so that they interleave) and its
+// share of the dweight / dbias sums, then dx at its VN positions from the dz of its vector and
+// the K-1 after it, read back from the stage (dz lies where the x and dout it came from were).
+// After the run the warp adds the lanes' shares in a fixed tree, and K + 1 of its lanes write
+// the sums as part `run` of the partials. Positions before the row are initial_states (zeros
+// without them); dz past the row's end is 0. The work item is divided by the plan's fast
+// divisor p.dim_divisor, the run's first chunk by p.chunk_divisor (chunks per row). p.x_aligned
+// / p.dout_aligned / p.dx_aligned: rows time-contiguous and starting on 16-byte boundaries.
+// p.whole_rows: every row is one whole chunk and x and dout are aligned, so a chunk is staged
+// as its row's vectors alone (no halo copies, no bounds: x's halo before the row is zeros, put
+// back after each chunk; the chunk's tail past the row is 0).
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int NV, int WARPS, int BUFS>
@@ -259,37 +260,61 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                 }
 
                 // A chunk cut by the row's end runs its passes up to the row's last vector: dz past
-                // the row is 0, and so is the next pass's where it has no position in the row.
+                // the row is 0.
                 const int passes = TAIL ? (n + 32 * VN - 1) / (32 * VN) : NV;
-                A cur[VN], nxt[VN];
-                dz_vector(lane, cur);
+                // dz of chunk vector v, once computed, lies in the stages where its x and dout were:
+                // its first 16 bytes in ds[v], the rest (16-bit x: 32 bytes of dz) in xs[v], the x
+                // vector v - HV, which no dz left to compute reads. So lane l's pass reads the dz
+                // after its vector (the next lanes', the next pass's, or past the chunk) from
+                // shared memory as it reads its own.
+                constexpr int PER = 16 / (int)sizeof(A);  // dz values a 16-byte slot holds
+                auto dz_slot = [&](int v, int half) { return reinterpret_cast<A*>(half ? xs + v : ds + v); };
+                auto store_dz = [&](int v, const A (&d)[VN]) {
+                    #pragma unroll
+                    for (int o = 0; o < VN; o += PER) {
+                        A* const at = dz_slot(v, o / PER);
+                        if constexpr (PER == 4) {
+                            *reinterpret_cast<float4*>(at) = make_float4(d[o], d[o + 1], d[o + 2], d[o + 3]);
+                        } else {
+                            *reinterpret_cast<double2*>(at) = make_double2(d[o], d[o + 1]);
+                        }
+                    }
+                };
+                {
+                    A d[VN];
+                    dz_vector(lane, d);
+                    __syncwarp();  // x vector lane - HV's last reader is done
+                    store_dz(lane, d);
+                }
                 #pragma unroll 2
                 for (int j = 0; j < passes; ++j) {
                     const int q = 32 * j + lane, i = q * VN;
-                    if (j + 1 < passes) dz_vector(q + 32, nxt);
-                    else if (TAIL) {
-                        #pragma unroll
-                        for (int o = 0; o < VN; ++o) nxt[o] = A(0);
+                    if (j + 1 < passes) {
+                        A d[VN];
+                        dz_vector(q + 32, d);
+                        __syncwarp();
+                        store_dz(q + 32, d);
+                    } else {  // past the last pass: the tail, 0 past the row
+                        __syncwarp();
+                        if (lane < HE) dz_slot(32 * passes + lane / VN, lane % VN / PER)[lane % PER] = tail;
                     }
-                    // dz at positions start + i .. start + i + VN + K - 2: this vector's, then the K-1
-                    // after it from the lanes that computed them (each source lane sends the value its
-                    // reader needs), then, past the chunk, the tail values.
+                    __syncwarp();
+                    // dz at positions start + i .. start + i + VN + K - 2, 16 bytes at a time.
                     A win[VN + K - 1];
                     #pragma unroll
-                    for (int o = 0; o < VN; ++o) win[o] = cur[o];
-                    #pragma unroll
-                    for (int u = 0; u < K - 1; ++u) {
-                        const int h = 1 + u / VN, o = u % VN;  // vector q + h, element o
-                        const A sent = lane < h && j + 1 < NV ? nxt[o] : cur[o];
-                        win[VN + u] = __shfl_sync(0xffffffffu, sent, (lane + h) & 31);
-                    }
-                    if (j == NV - 1) {
-                        #pragma unroll
-                        for (int u = 0; u < K - 1; ++u) {
-                            const int off = i + VN + u - span;  // >= 0: past the chunk
-                            const A t = __shfl_sync(0xffffffffu, tail, off >= 0 ? off : 0);
-                            if (off >= 0) win[VN + u] = t;
+                    for (int u = 0; u < VN + K - 1; u += PER) {
+                        const A* const at = dz_slot(q + u / VN, (u % VN) / PER);
+                        A got[PER];
+                        if constexpr (PER == 4) {
+                            const float4 f = *reinterpret_cast<const float4*>(at);
+                            got[0] = f.x, got[1] = f.y, got[2] = f.z, got[3] = f.w;
+                        } else {
+                            const double2 f = *reinterpret_cast<const double2*>(at);
+                            got[0] = f.x, got[1] = f.y;
                         }
+                        #pragma unroll
+                        for (int e = 0; e < PER; ++e)
+                            if (u + e < VN + K - 1) win[u + e] = got[e];
                     }
                     int64 ids[SEQ ? VN + K - 1 : 1];  // segment ids of positions start + i ..
                     if constexpr (SEQ) {
@@ -325,12 +350,14 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                                 if (!TAIL || o < limit) dxr[(start + i + o) * dx_l_stride] = res.e[o];
                         }
                     }
-                    #pragma unroll
-                    for (int o = 0; o < VN; ++o) cur[o] = nxt[o];
                 }
             };
             if (n < span) chunk_body(Flag<true>());
             else chunk_body(Flag<false>());
+            if (whole_rows) {  // dz took x's zero halo before the row
+                __syncwarp();
+                if (lane < HV) xs[lane] = Raw{};
+            }
             if (--left == 0) break;
             if (++chunk == chunks_per_row) {
                 chunk = 0;
