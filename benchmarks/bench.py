@@ -125,7 +125,7 @@ def default_cases() -> list[Case]:
         cases += [Case(8, 5120, 2048, layout, width=w) for w in (8, 16, 31, 64, 128, 256)]
     for layout in ("cf", "cl"):  # float32's wide rows (CUDA cores)
         cases += [Case(8, 5120, 2048, layout, dtype="float32", width=w) for w in (16, 64)]
-    cases.append(Case(8, 5120, 2048, "cl", width=12))  # fwd_channel's widest lane vectors
+    cases.append(Case(8, 5120, 2048, "cl", width=12))  # fwd_mma_cl (fwd_channel below 10)
     return cases
 
 

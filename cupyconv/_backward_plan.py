@@ -68,11 +68,15 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # backward from width 9"), and below CHANNEL_WIDE_FROM without (then bwd_wide: at width 16,
 # 2.8 times bwd_channel's speed in float32, 1.9 times in bfloat16; "bwd_wide").
 CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, 13
-# bwd_mma (bfloat16 x and weights, no seq_idx) from this width on, for spans of up to MMA_SPAN
-# positions (a multiple of 256); on channel-contiguous x from MMA_CL_MIN_WIDTH (bwd_channel
-# runs 0.73 TB/s at width 12 against bwd_mma's 1.03, 1.64 at width 9), spans of up to
-# MMA_CL_SPAN, where a block's shared memory fits the device.
-MMA_MIN_WIDTH, MMA_SPAN = 11, 1024
+# bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
+# MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
+# faster at widths 11 / 12, level at 13; on (64, 1024, 512) 32 / 22 / 13 % faster at 12 / 13 /
+# 14, level at 16; 5 % slower at 12 on (1, 4096, 16384): benchmarks/NOTES.md, "The tensor-core
+# crossovers again"), for spans of up to MMA_SPAN positions (a multiple of 256); on
+# channel-contiguous x from MMA_CL_MIN_WIDTH (bwd_channel 1.12 TB/s at width 12 against
+# bwd_mma's 1.19, 1.42 at width 11), spans of up to MMA_CL_SPAN, where a block's shared memory
+# fits the device.
+MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH, MMA_SHORT_ROW, MMA_SPAN = 12, 16, 512, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
@@ -241,10 +245,11 @@ def _time_rows(x: Array) -> bool:
 def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
     """Whether bwd_mma (or bwd_mma_block, from MMA_BLOCK_STEPS k-steps) serves the call:
     bfloat16 x and weights, time-contiguous x (or rows of one step), no seq_idx, width
-    MMA_MIN_WIDTH or more."""
+    MMA_MIN_WIDTH or more (rows of at most MMA_SHORT_ROW positions: MMA_SHORT_MIN_WIDTH too)."""
+    least = MMA_MIN_WIDTH if x.shape[2] > MMA_SHORT_ROW else max(MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH)
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
-        and width >= MMA_MIN_WIDTH and _time_rows(x)
+        and width >= least and _time_rows(x)
     )  # fmt: skip
 
 

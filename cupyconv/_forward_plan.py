@@ -53,9 +53,11 @@ CONSTANTS = {
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
-# up to 13) and channel-contiguous x (fwd_channel is faster up to 15); benchmarks/NOTES.md,
-# "fwd_mma on both layouts" and "fwd_channel at widths 9 to 16".
-MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH = 14, 16
+# up to 13), channel-contiguous x with weights of x's dtype (fwd_mma_cl; fwd_channel is as fast
+# at width 9 and slower from 10) and with other weights (fwd_mma, the taps split; fwd_channel is
+# faster up to 15); benchmarks/NOTES.md, "fwd_mma on both layouts", "fwd_channel at widths 9 to
+# 16" and "The tensor-core crossovers again".
+MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH, MMA_CL_SPLIT_MIN_WIDTH = 14, 10, 16
 # fwd_mma on a split window (time-contiguous float32 x, float16 x with other weights: x and the
 # taps split into bfloat16 parts) from this width on: fwd_time serves the narrower ones, faster
 # (benchmarks/NOTES.md, "fwd_mma on float32 x, and float16 x with other weights").
@@ -166,7 +168,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     "final_states" the final states. Where the states allow them (``states_staged``), "mma"
     replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
-    x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up
+    x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on; "mma_cl_split" from
+    MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up
     to MMA_CL_MAX_STEPS k-steps; time-contiguous float32 x takes fwd_mma from
     MMA_XSPLIT_MIN_WIDTH on, split into bfloat16 parts."""
     t = C_TYPES[dtype]
@@ -187,9 +190,10 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     if dtype in ("bfloat16", "float16") and not seq:
         ks = mma_steps(width)
         for cl, cl_kind in ((False, ""), (True, "_cl")):
-            if width < (MMA_CL_MIN_WIDTH if cl else MMA_MIN_WIDTH):
-                continue
             for split in (False, True):
+                cl_least = MMA_CL_SPLIT_MIN_WIDTH if split else MMA_CL_MIN_WIDTH
+                if width < (cl_least if cl else MMA_MIN_WIDTH):
+                    continue
                 if split and dtype == "float16" and (cl or width < MMA_XSPLIT_MIN_WIDTH):
                     continue  # (float16 x with other weights: the CUDA-core kernels)
                 warps = mma_cl_warps(ks, split) if cl else 0

@@ -312,7 +312,8 @@ def bf16_rows(b, c, length, strides=None, ptr=1 << 40):
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
 def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
-    """Every width from MMA_MIN_WIDTH to 256 x short and long rows x aligned and misaligned x:
+    """Every width from MMA_MIN_WIDTH (rows of at most MMA_SHORT_ROW: MMA_SHORT_MIN_WIDTH) to 256
+    x short and long rows x aligned and misaligned x:
     bwd_mma below MMA_BLOCK_STEPS k-steps, bwd_mma_block from there, its shared memory within
     the opt-in limit (the layout's areas in order, 16-byte aligned), spans a multiple of 256,
     and runs that cover every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row)."""
@@ -322,7 +323,9 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
     block_warps = _backward_plan.CONSTANTS["BWD_MMA_BLOCK_WARPS"]
     for seqlen in (1, 300, 700, 5000):
         for ptr in (1 << 40, (1 << 40) + 2):
-            for width in range(_backward_plan.MMA_MIN_WIDTH, 257):
+            short = seqlen <= _backward_plan.MMA_SHORT_ROW
+            first = _backward_plan.MMA_SHORT_MIN_WIDTH if short else _backward_plan.MMA_MIN_WIDTH
+            for width in range(first, 257):
                 x = bf16_rows(2, 40, seqlen, ptr=ptr)
                 plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
                 main, reduce_ = plan.launches
@@ -459,8 +462,12 @@ def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):
     def main(x, width=16, seq=False, weight="bfloat16"):
         return _backward_plan.plan_backward(x, x, x, width, seq, False, weight, 0).launches[0].name
 
-    assert main(x, width=_backward_plan.MMA_MIN_WIDTH).startswith("bwd_mma")
-    assert main(x, width=_backward_plan.MMA_MIN_WIDTH - 1).startswith("bwd_time")
+    long = bf16_rows(2, 64, _backward_plan.MMA_SHORT_ROW + 1)
+    assert main(long, width=_backward_plan.MMA_MIN_WIDTH).startswith("bwd_mma")
+    assert main(long, width=_backward_plan.MMA_MIN_WIDTH - 1).startswith("bwd_time")
+    # rows of at most MMA_SHORT_ROW positions: bwd_time up to MMA_SHORT_MIN_WIDTH - 1
+    assert main(x, width=_backward_plan.MMA_SHORT_MIN_WIDTH).startswith("bwd_mma")
+    assert main(x, width=_backward_plan.MMA_SHORT_MIN_WIDTH - 1).startswith("bwd_time")
     assert main(x, width=40, weight="float32").startswith("bwd_wide")  # weights of another dtype
     assert main(x, width=40, seq=True).startswith("bwd_dz")
     assert main(cl, width=8).startswith("bwd_channel")

@@ -239,7 +239,9 @@ def forced_route(monkeypatch, kernel: str, **limits):
 @pytest.fixture
 def tensor_cores(monkeypatch):
     """bwd_mma for every width it takes, whatever the dispatch threshold."""
-    yield from forced_route(monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2)
+    yield from forced_route(
+        monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2
+    )
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)
@@ -343,7 +345,9 @@ def test_tensor_core_repeatable(tensor_cores, layout, width):
 @pytest.fixture
 def block_cores(monkeypatch):
     """bwd_mma_block for every time-contiguous width bwd_mma takes, narrow ones included."""
-    yield from forced_route(monkeypatch, "bwd_mma_block", MMA_MIN_WIDTH=2, MMA_BLOCK_STEPS=2)
+    yield from forced_route(
+        monkeypatch, "bwd_mma_block", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_BLOCK_STEPS=2
+    )
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)

@@ -279,15 +279,16 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
-        # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 15
+        # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 9
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
         # fwd_mma_cl up to KS = MMA_CL_MAX_STEPS, fwd_mma's channel-contiguous form beyond
         (F16, F16, None, 33, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         (F16, F16, None, 65, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
         (F16, F16, None, 66, f"fwd_mma<{H}, 6, false, 0>", f"fwd_mma<{H}, 6, false, 16>"),
-        (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(15)),
-        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", WIDE_CHANNEL.format(14)),
-        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", WIDE_CHANNEL.format(13)),
+        (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
+        (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
+        (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma_cl<{H}, 2>"),
+        (F16, F16, None, 10, f"fwd_time<{H}, 10, false, 2, 4>", f"fwd_mma_cl<{H}, 2>"),
         (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", WIDE_CHANNEL.format(9)),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
@@ -370,6 +371,23 @@ def mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, resident):
     w = _arrays.Array(None, "fake", 0, 2 << 32, (c, width), (width, 1), wd)
     plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
     return plan, dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
+
+
+@pytest.mark.parametrize(
+    "wdtype,width,kernel",
+    [
+        ("bfloat16", 9, "fwd_channel<"),
+        ("bfloat16", 10, "fwd_mma_cl<__nv_bfloat16, 2>"),
+        ("bfloat16", 15, "fwd_mma_cl<__nv_bfloat16, 2>"),
+        ("float32", 15, "fwd_channel<"),  # other weights: fwd_mma with the taps split, from 16
+        ("float32", 16, "fwd_mma<__nv_bfloat16, 2, true, 8>"),
+    ],
+)
+def test_channel_last_tensor_core_widths(monkeypatch, wdtype, width, kernel):
+    """Channel-contiguous bfloat16 x takes fwd_mma_cl from MMA_CL_MIN_WIDTH on with weights of
+    its dtype, fwd_mma (the taps split) from MMA_CL_SPLIT_MIN_WIDTH on with others."""
+    plan, _ = mma_plan(monkeypatch, (8, 5120, 2048), "cl", "bfloat16", wdtype, width, 132 * 6)
+    assert plan.name.startswith(kernel), plan.name
 
 
 @pytest.mark.parametrize(
