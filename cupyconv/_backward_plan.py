@@ -246,10 +246,10 @@ def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
     """Whether bwd_mma (or bwd_mma_block, from MMA_BLOCK_STEPS k-steps) serves the call:
     bfloat16 x and weights, time-contiguous x (or rows of one step), no seq_idx, width
     MMA_MIN_WIDTH or more (rows of at most MMA_SHORT_ROW positions: MMA_SHORT_MIN_WIDTH too)."""
-    least = MMA_MIN_WIDTH if x.shape[2] > MMA_SHORT_ROW else max(MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH)
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
-        and width >= least and _time_rows(x)
+        and width >= MMA_MIN_WIDTH
+        and (x.shape[2] > MMA_SHORT_ROW or width >= MMA_SHORT_MIN_WIDTH) and _time_rows(x)
     )  # fmt: skip
 
 

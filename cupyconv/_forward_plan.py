@@ -169,9 +169,9 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
     x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on; "mma_cl_split" from
-    MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up
-    to MMA_CL_MAX_STEPS k-steps; time-contiguous float32 x takes fwd_mma from
-    MMA_XSPLIT_MIN_WIDTH on, split into bfloat16 parts."""
+    MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up to MMA_CL_MAX_STEPS k-steps;
+    time-contiguous float32 x takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16
+    parts."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)

@@ -312,11 +312,11 @@ def bf16_rows(b, c, length, strides=None, ptr=1 << 40):
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
 def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
-    """Every width from MMA_MIN_WIDTH (rows of at most MMA_SHORT_ROW: MMA_SHORT_MIN_WIDTH) to 256
-    x short and long rows x aligned and misaligned x:
-    bwd_mma below MMA_BLOCK_STEPS k-steps, bwd_mma_block from there, its shared memory within
-    the opt-in limit (the layout's areas in order, 16-byte aligned), spans a multiple of 256,
-    and runs that cover every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row)."""
+    """Every width from MMA_MIN_WIDTH (rows of at most MMA_SHORT_ROW positions: from
+    MMA_SHORT_MIN_WIDTH) to 256 x short and long rows x aligned and misaligned x: bwd_mma below
+    MMA_BLOCK_STEPS k-steps, bwd_mma_block from there, its shared memory within the opt-in limit
+    (the layout's areas in order, 16-byte aligned), spans a multiple of 256, and runs that cover
+    every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row)."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
