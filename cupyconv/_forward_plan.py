@@ -64,6 +64,16 @@ MMA_MIN_WIDTH, MMA_CL_MIN_WIDTH, MMA_CL_SPLIT_MIN_WIDTH = 14, 10, 16
 MMA_XSPLIT_MIN_WIDTH = TIME_MAX_WIDTH + 1
 MMA_SPAN = 2048  # fwd_mma: most outputs a time-contiguous item spans
 MMA_XSPLIT_SPAN = 1024  # the same for a split window (float32 rows: 12 bytes an input with it)
+# fwd_mma_time (time-contiguous 16-bit x with rows on 8-byte boundaries, weights of x's dtype)
+# up to MMA_TIME_MAX_STEPS k-steps: chunks of (groups of 128 positions, warps a block) for rows
+# of up to so many bytes (a row in one chunk), and MMA_TIME_LONG_CHUNK for longer rows.
+MMA_TIME_MAX_STEPS = 3
+MMA_TIME_CHUNKS = ((1024, (4, 4)), (2048, (8, 2)))
+MMA_TIME_LONG_CHUNK = (16, 1)
+# A row's last chunk, where the row ends inside it, runs fwd_mma_time's checked path: rows that
+# do take fwd_mma_time only when they hold at least MMA_TIME_MIN_CHUNKS chunks ((8, 5120, 2000)
+# at width 16, one such chunk a row: 0.75 of the copy against fwd_mma's 0.82).
+MMA_TIME_MIN_CHUNKS = 4
 # fwd_mma on time-contiguous x: the grid sweeps the items (a warp's next item n_warps on, the
 # taps installed every item) where items span at least MMA_SWEEP_SPAN outputs and a row's A
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
@@ -128,6 +138,10 @@ MMA = Kernel(
     (*_ALIGNED, "span", "run", "sweep", "row_len", "staging_at", "weights_at", "out_at"),
     pdl=True,
 )  # fmt: skip
+MMA_TIME = Kernel(
+    "fwd_mma_time", "fwd_mma_time.cu", "FwdMmaTimeParams",
+    ("out_aligned", "chunk_divisor", "dim_divisor"), pdl=True,
+)  # fmt: skip
 MMA_CL = Kernel(
     "fwd_mma_cl", "fwd_mma_cl.cu", "FwdMmaClParams",
     (*_ALIGNED, "span", "pieces", "group_divisor", "piece_divisor", "taps_at"),
@@ -152,7 +166,7 @@ GENERAL = Kernel(
     "fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",), pdl=True
 )
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams", pdl=True)
-KERNELS = (TIME, MMA, MMA_CL, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
+KERNELS = (TIME, MMA, MMA_TIME, MMA_CL, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -202,6 +216,10 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
                 if cl and ks <= MMA_CL_MAX_STEPS and not split:
                     kernel, name = MMA_CL, f"fwd_mma_cl<{t}, {ks}>"
                 table["mma" + cl_kind + ("_split" if split else "")] = (kernel, name)
+        if width >= MMA_MIN_WIDTH and ks <= MMA_TIME_MAX_STEPS:
+            for groups, warps in (*(c for _, c in MMA_TIME_CHUNKS), MMA_TIME_LONG_CHUNK):
+                name = f"fwd_mma_time<{t}, {ks}, {groups}, {warps}>"
+                table[f"mma_time_{groups}"] = (MMA_TIME, name)
     if width <= (CHANNEL_NARROW_WIDTH if seq else CHANNEL_MAX_WIDTH):
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     if width > CHANNEL_NARROW_WIDTH and not seq:
@@ -275,6 +293,12 @@ def _plan_forward(
         source, name = table[kind]
         if source is MMA_CL.source:
             return _plan_mma_cl(x, out, width, name, device)
+        chunk = next((c for most, c in MMA_TIME_CHUNKS if seqlen * itemsize <= most), None)
+        chunk = chunk or MMA_TIME_LONG_CHUNK
+        span = 128 * chunk[0]
+        whole = seqlen % span == 0 or seqlen >= MMA_TIME_MIN_CHUNKS * span
+        if kind == "mma" and f"mma_time_{chunk[0]}" in table and rows_aligned(x, 2, 8) and whole:
+            return _plan_mma_time(x, out, chunk, table[f"mma_time_{chunk[0]}"][1])
         return _plan_mma(x, out, width, name, device, not time_major, kind.endswith("_split"))
     if time_major and width <= TIME_MAX_WIDTH:
         short = seqlen * itemsize <= TIME_SHORT_ROW
@@ -311,6 +335,17 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
         name, grid, (32 * warps, 1), x_aligned=_time_vectors(x, itemsize),
         out_aligned=_time_vectors(out, itemsize), chunk_divisor=fast_divisor(per_row),
         dim_divisor=fast_divisor(dim),
+    )  # fmt: skip
+
+
+def _plan_mma_time(x, out, chunk, name) -> Launch:
+    batch, dim, seqlen = x.shape
+    groups, warps = chunk
+    per_row = -(-seqlen // (128 * groups))  # chunks, one per warp
+    grid = min(-(-(batch * dim * per_row) // warps), MAX_GRID)
+    return MMA_TIME.launch(
+        name, grid, (32 * warps, 1), out_aligned=rows_aligned(out, 2, 4),
+        chunk_divisor=fast_divisor(per_row), dim_divisor=fast_divisor(dim),
     )  # fmt: skip
 
 

@@ -39,11 +39,21 @@ pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
 PER_PROGRAM = 8  # instances per NVRTC program in the sweep
 
 
+def forward_families(dtypes) -> dict:
+    """Each forward kernel family for ``dtypes``: widths 4 and 64, and fwd_mma_time (widths 14
+    to 16 MMA_TIME_MAX_STEPS - 15) at width 16."""
+    instances = all_forward_instances(dtypes=dtypes, widths=(4, 64))
+    for source, names in all_forward_instances(dtypes=dtypes, widths=(16,)).items():
+        if source is _forward_plan.MMA_TIME.source:
+            instances[source] = names
+    return instances
+
+
 def representative(backward_dtypes=tuple(C_TYPES)) -> dict:
-    """Each forward kernel family for each dtype (widths 4 and 64), and each backward family
-    for ``backward_dtypes`` (widths 4 and 64), with and without seq_idx."""
+    """Each forward kernel family for each dtype (``forward_families``), and each backward
+    family for ``backward_dtypes`` (widths 4 and 64), with and without seq_idx."""
     return {
-        **all_forward_instances(dtypes=tuple(C_TYPES), widths=(4, 64)),
+        **forward_families(tuple(C_TYPES)),
         **all_backward_instances(dtypes=backward_dtypes, widths=(4, 64)),
     }
 
@@ -78,7 +88,7 @@ def _cost(name: str) -> int:
 
 @pytest.mark.parametrize("dtype", list(C_TYPES))
 def test_every_forward_family_compiles(dtype):
-    instances = all_forward_instances(dtypes=(dtype,), widths=(4, 64))
+    instances = forward_families((dtype,))
     for source, names in instances.items():
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
@@ -175,6 +185,12 @@ def test_instance_table_covers_every_width():
     assert f"fwd_mma<{t}, 2, true, 8>" in names and f"fwd_mma<{t}, 6, false, 16>" in names
     assert f"fwd_mma<{t}, 5, false, 8>" not in names
     assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 6")}
+    # time-contiguous rows on 8-byte boundaries: fwd_mma_time up to MMA_TIME_MAX_STEPS, a chunk
+    # shape each
+    steps = range(2, _forward_plan.MMA_TIME_MAX_STEPS + 1)
+    chunks = (*(c for _, c in _forward_plan.MMA_TIME_CHUNKS), _forward_plan.MMA_TIME_LONG_CHUNK)
+    want = {f"fwd_mma_time<{t}, {ks}, {g}, {w}>" for ks in steps for g, w in chunks}
+    assert {n for n in names if n.startswith("fwd_mma_time<")} == want
     for source, group in instances.items():  # each instance in its family's file
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name

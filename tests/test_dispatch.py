@@ -281,7 +281,8 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 9
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
-        # fwd_mma_cl up to KS = MMA_CL_MAX_STEPS, fwd_mma's channel-contiguous form beyond
+        # fwd_mma_cl up to KS = MMA_CL_MAX_STEPS, fwd_mma's channel-contiguous form beyond;
+        # (time-contiguous rows of 300 end inside fwd_mma_time's only chunk: fwd_mma)
         (F16, F16, None, 33, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         (F16, F16, None, 65, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
         (F16, F16, None, 66, f"fwd_mma<{H}, 6, false, 0>", f"fwd_mma<{H}, 6, false, 16>"),
@@ -324,7 +325,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert fields["taps_at"] == 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
         assert plan.smem == fields["taps_at"] + 4 * (8 * 32 * ks + 8) * 4
         assert plan.smem + 1024 <= SM90_SMEM + 1024
-    elif launched.startswith("fwd_mma"):
+    elif launched.startswith("fwd_mma<"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
         ks = _launch.mma_steps(width)
         cl = layout == "cl"
@@ -391,6 +392,50 @@ def test_channel_last_tensor_core_widths(monkeypatch, wdtype, width, kernel):
 
 
 @pytest.mark.parametrize(
+    "shape,offset,xdtype,width,name",
+    [
+        ((8, 5120, 2048), 0, "bfloat16", 16, "fwd_mma_time<{B}, 2, 16, 1>"),
+        ((8, 5120, 2048), 4, "bfloat16", 33, "fwd_mma_time<{B}, 3, 16, 1>"),  # 8-byte rows
+        ((8, 5120, 2048), 2, "bfloat16", 16, "fwd_mma<{B}, 2, false, 0>"),  # 4-byte rows
+        ((8, 5120, 2048), 0, "bfloat16", 34, "fwd_mma<{B}, 4, false, 0>"),  # KS 4
+        ((8, 5120, 2048), 0, "bfloat16", 13, "fwd_time<{B}, 13, false, 8, 1>"),
+        ((64, 1024, 512), 0, "float16", 14, "fwd_mma_time<{H}, 2, 4, 4>"),
+        ((16, 2048, 1024), 0, "bfloat16", 31, "fwd_mma_time<{B}, 3, 8, 2>"),
+        ((8, 5120, 2000), 0, "bfloat16", 16, "fwd_mma<{B}, 2, false, 0>"),  # ends in its chunk
+        ((2, 64, 8200), 0, "bfloat16", 16, "fwd_mma_time<{B}, 2, 16, 1>"),  # 5 chunks
+        ((2, 64, 8190), 0, "bfloat16", 16, "fwd_mma<{B}, 2, false, 0>"),  # (2-byte rows)
+        ((2, 64, 300), 0, "bfloat16", 16, "fwd_mma<{B}, 2, false, 0>"),
+    ],
+)  # fmt: skip
+def test_time_rows_take_fwd_mma_time(monkeypatch, shape, offset, xdtype, width, name):
+    """Time-contiguous 16-bit x with weights of its dtype, rows on 8-byte boundaries: fwd_mma_time
+    up to MMA_TIME_MAX_STEPS k-steps, one chunk a warp (MMA_TIME_CHUNKS by the row's bytes), on
+    rows of whole chunks or of at least MMA_TIME_MIN_CHUNKS; fwd_mma for the others."""
+    import ml_dtypes
+
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: 132 * 6)
+    fake_device(monkeypatch, SM90_SMEM)
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    dt = np.dtype(ml_dtypes.bfloat16 if xdtype == "bfloat16" else xdtype)
+    b, c, length = shape
+    x = _arrays.Array(None, "fake", 0, (1 << 32) + 2 * offset, shape, (c * length, length, 1), dt)
+    w = _arrays.Array(None, "fake", 0, 2 << 32, (c, width), (width, 1), dt)
+    plan = _forward_plan.plan_forward(x, x, w, None, width, False, 0)
+    assert plan.name == name.format(B="__nv_bfloat16", H="__half")
+    if plan.name.startswith("fwd_mma_time<"):
+        groups, warps = next(
+            (chunk for most, chunk in _forward_plan.MMA_TIME_CHUNKS if length * 2 <= most),
+            _forward_plan.MMA_TIME_LONG_CHUNK,
+        )
+        per_row = -(-length // (128 * groups))
+        assert plan.block == (32 * warps, 1) and plan.smem == 0
+        assert plan.grid == -(-b * c * per_row // warps)
+        fields = dict(zip(_forward_plan.MMA_TIME.plan_fields, plan.plan_fields, strict=True))
+        assert fields["chunk_divisor"] == _launch.fast_divisor(per_row)
+        assert fields["out_aligned"] == (offset % 2 == 0)
+
+
+@pytest.mark.parametrize(
     "shape,xdtype,wdtype,width,layout,sweep",
     [
         ((8, 5120, 2048), "bfloat16", "bfloat16", 16, "cf", True),
@@ -408,7 +453,9 @@ def test_channel_last_tensor_core_widths(monkeypatch, wdtype, width, kernel):
 def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layout, sweep):
     """Time-contiguous fwd_mma sweeps its items over the grid where spans are at least
     MMA_SWEEP_SPAN long and a row's A fragments at most MMA_SWEEP_FRAGMENTS; elsewhere (and
-    on channel-contiguous x) each warp (block) takes a run of consecutive items."""
+    on channel-contiguous x) each warp (block) takes a run of consecutive items. (fwd_mma_time
+    left out: it serves the narrower of these time-contiguous rows.)"""
+    monkeypatch.setattr(_forward_plan, "MMA_TIME_MAX_STEPS", 0)
     plan, fields = mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, 132 * 6)
     assert plan.name.startswith("fwd_mma<")
     assert fields["sweep"] == sweep
@@ -422,7 +469,7 @@ def test_tensor_core_item_order(monkeypatch, shape, xdtype, wdtype, width, layou
         ("float32", 256, f"fwd_mma<{B}, 17, true, 0>", f"fwd_mma<{B}, 17, true, 16>"),
         ("float16", 33, f"fwd_mma<{B}, 3, true, 0>", f"fwd_mma<{B}, 3, true, 16>"),
         ("float16", 17, f"fwd_mma<{B}, 2, true, 0>", f"fwd_mma<{B}, 2, true, 8>"),
-        ("bfloat16", 33, f"fwd_mma<{B}, 3, false, 0>", f"fwd_mma_cl<{B}, 3>"),
+        ("bfloat16", 33, f"fwd_mma_time<{B}, 3, 16, 1>", f"fwd_mma_cl<{B}, 3>"),
         ("bfloat16", 129, f"fwd_mma<{B}, 9, false, 0>", f"fwd_mma<{B}, 9, false, 16>"),
         ("bfloat16", 130, f"fwd_mma<{B}, 10, false, 0>", f"fwd_mma<{B}, 10, false, 16>"),
     ],
@@ -434,7 +481,7 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
     registers for three blocks an SM, else 16."""
     plan, fields = mma_plan(monkeypatch, (2, 64, 4096), layout, "bfloat16", wdtype, width, 132 * 8)
     assert plan.name == (cl_name if layout == "cl" else name)
-    assert fields["x_aligned"] == 1
+    assert plan.name.startswith("fwd_mma_time<") or fields["x_aligned"] == 1
 
 
 @pytest.mark.parametrize(

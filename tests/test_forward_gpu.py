@@ -300,6 +300,7 @@ def test_tensor_core_item_orders(monkeypatch, sweep, blocks, dtype, wdtype, widt
     resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
     monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *a: min(blocks, resident(*a)))
     monkeypatch.setattr(_forward_plan, "MMA_SWEEP_SPAN", 0 if sweep else 1 << 40)
+    monkeypatch.setattr(_forward_plan, "MMA_TIME_MAX_STEPS", 0)  # (fwd_mma_time otherwise)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     run_case(3, 37, 2600, width, dtype, wdtype, init=True, final=True, seed=width)
@@ -308,6 +309,47 @@ def test_tensor_core_item_orders(monkeypatch, sweep, blocks, dtype, wdtype, widt
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields, strict=True))
         assert fields["sweep"] == sweep and -(-2600 // fields["span"]) >= 2
     assert plans
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("width", (14, 17, 33), ids=lambda k: f"width{k}")
+def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
+    """fwd_mma_time (time-contiguous 16-bit x whose rows start on 8-byte boundaries): rows four
+    elements past a 16-byte boundary, rows of each chunk shape, rows of several chunks ending
+    inside one (mid-group too), states before the rows, and outputs one element off a 4-byte
+    boundary and every other step (element stores)."""
+    import torch
+
+    from cupyconv import _fast, _forward_plan
+
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    rng = np.random.default_rng(width)
+    shapes = ((2, 3, 8200), (1, 1, 8195), (3, 5, 512), (1, 2, 4096), (2, 2, 1024))
+    for i, (b, c, length) in enumerate(shapes):
+        x64 = rounded(rng, (b, c, length), dtype)
+        w64 = rounded(rng, (c, width), dtype, scale=width**-0.5)
+        b64 = rounded(rng, (c,), dtype)
+        i64 = rounded(rng, (b, c, width - 1), dtype) if i % 2 == 0 else None
+        n = b * c * length
+        xbuf = torch.full((n + 4,), float("nan"), device="cuda", dtype=torch_dtype(dtype))
+        x = xbuf[4:].view(b, c, length)
+        x.copy_(torch.from_numpy(x64))
+        obuf = torch.full((2 * n + 1,), float("nan"), device="cuda", dtype=x.dtype)
+        outs = (obuf[1 : n + 1].view(b, c, length), obuf[: 2 * n].view(b, c, 2 * length)[..., ::2])
+        for out in outs:
+            res = cupyconv.causal_conv1d_fn(
+                x, to_gpu(w64, dtype), to_gpu(b64, dtype),
+                initial_states=None if i64 is None else to_gpu(i64, dtype),
+                activation="silu" if i != 1 else None, out=out,
+            )  # fmt: skip
+            want = reference.causal_conv1d_fn(
+                x64, w64, b64, initial_states=i64, activation="silu" if i != 1 else None
+            )
+            assert res is out
+            assert_close(out, want, dtype, name="out")
+    names = {p.name for p in _forward_plan._plans.values()}
+    assert any(name.startswith("fwd_mma_time<") for name in names), names
 
 
 @pytest.mark.parametrize(
