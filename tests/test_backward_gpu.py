@@ -615,6 +615,20 @@ def test_channel_groups_features(channel_groups, features, width):
     run_bwd(4, 40, 1200, width, "bfloat16", layout="cl", seed=width, **features_of(features, 5))
 
 
+@pytest.mark.parametrize("width", (12, 13, 14))
+def test_channel_last_float16_crossover(monkeypatch, width):
+    """float16 channel-contiguous x without seq_idx: bwd_channel below its CHANNEL_WIDE_FROM
+    (14), bwd_wide from it."""
+    from cupyconv import _backward_plan, _fast
+
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    run_bwd(2, 70, 600, width, "float16", layout="cl", init=True, dfinal=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    narrow = width < _backward_plan.channel_wide_from("float16")
+    assert plan.launches[0].name.startswith("bwd_channel<__half" if narrow else "bwd_wide<__half")
+
+
 @pytest.mark.parametrize("layout", ("cf", "cl"))
 def test_repeatable(layout):
     """Every output the same over repeated runs (no floating-point atomics)."""
