@@ -184,6 +184,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
     x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on; "mma_cl_split" from
     MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up to MMA_CL_MAX_STEPS k-steps;
+    "mma_time_<groups>" fwd_mma_time up to MMA_TIME_MAX_STEPS for each chunk shape;
     time-contiguous float32 x takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16
     parts."""
     t = C_TYPES[dtype]

@@ -1,6 +1,6 @@
-// fwd_mma.cu: the forward on tensor cores: 16-bit x from width 14 (time-contiguous) or 16
-// (channel-contiguous: weights of another dtype, and from width 66; fwd_mma_cl.cu serves the
-// rest) to 256; time-contiguous float32 x, and float16 x with weights of another dtype, from
+// fwd_mma.cu: the forward on tensor cores: 16-bit x from width 14 (time-contiguous, where
+// fwd_mma_time.cu does not serve it) or 16 (channel-contiguous: weights of another dtype, and
+// from width 66; fwd_mma_cl.cu serves the rest) to 256; time-contiguous float32 x, and float16 x with weights of another dtype, from
 // width 18.
 //
 //   fwd_mma<T, KS, SPLIT, CLW>

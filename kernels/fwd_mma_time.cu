@@ -23,7 +23,8 @@
 // Products of 16-bit values are exact and the MMA accumulates in float32 from the bias. A
 // non-finite input meets the band's zero weights (0 inf = NaN), so a chunk whose sums are not all
 // finite has its non-finite outputs computed again from their own taps (own_outputs).
-// p.out_aligned: out's rows time-contiguous and starting on 4-byte boundaries.
+// p.out_aligned: out's rows time-contiguous and starting on 4-byte boundaries. Measurements:
+// benchmarks/NOTES.md, "fwd_mma_time: the chunk in registers".
 #include "fwd_common.cuh"
 #include "mma_common.cuh"
 
