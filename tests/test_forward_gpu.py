@@ -316,8 +316,10 @@ def test_tensor_core_item_orders(monkeypatch, sweep, blocks, dtype, wdtype, widt
 def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
     """fwd_mma_time (time-contiguous 16-bit x whose rows start on 8-byte boundaries): rows four
     elements past a 16-byte boundary, rows of each chunk shape, rows of several chunks ending
-    inside one (mid-group too), states before the rows, and outputs one element off a 4-byte
-    boundary and every other step (element stores)."""
+    inside one (mid-group too), states before the rows, final states, an inf and NaNs that must
+    reach only the outputs of their taps, and outputs of the library's own (aligned: the
+    whole-chunk stores), one element off a 4-byte boundary and every other step (element
+    stores)."""
     import torch
 
     from cupyconv import _fast, _forward_plan
@@ -325,29 +327,43 @@ def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
     monkeypatch.setattr(_forward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     rng = np.random.default_rng(width)
+    rtol, atol = tolerance(dtype)
     shapes = ((2, 3, 8200), (1, 1, 8195), (3, 5, 512), (1, 2, 4096), (2, 2, 1024))
     for i, (b, c, length) in enumerate(shapes):
         x64 = rounded(rng, (b, c, length), dtype)
+        if i == 0:
+            x64[0, 1, 5000] = np.inf
+            x64[1, 2, 300:303] = np.nan
         w64 = rounded(rng, (c, width), dtype, scale=width**-0.5)
         b64 = rounded(rng, (c,), dtype)
         i64 = rounded(rng, (b, c, width - 1), dtype) if i % 2 == 0 else None
+        act, final = "silu" if i != 1 else None, i % 2 == 1
+        want = reference.causal_conv1d_fn(
+            x64, w64, b64, initial_states=i64, return_final_states=final, activation=act
+        )
+        want_out, want_final = want if final else (want, None)
+        finite = np.isfinite(want_out)
         n = b * c * length
         xbuf = torch.full((n + 4,), float("nan"), device="cuda", dtype=torch_dtype(dtype))
         x = xbuf[4:].view(b, c, length)
         x.copy_(torch.from_numpy(x64))
         obuf = torch.full((2 * n + 1,), float("nan"), device="cuda", dtype=x.dtype)
-        outs = (obuf[1 : n + 1].view(b, c, length), obuf[: 2 * n].view(b, c, 2 * length)[..., ::2])
+        outs = (
+            None, obuf[1 : n + 1].view(b, c, length), obuf[: 2 * n].view(b, c, 2 * length)[..., ::2]
+        )  # fmt: skip
         for out in outs:
             res = cupyconv.causal_conv1d_fn(
                 x, to_gpu(w64, dtype), to_gpu(b64, dtype),
                 initial_states=None if i64 is None else to_gpu(i64, dtype),
-                activation="silu" if i != 1 else None, out=out,
+                return_final_states=final, activation=act, out=out,
             )  # fmt: skip
-            want = reference.causal_conv1d_fn(
-                x64, w64, b64, initial_states=i64, activation="silu" if i != 1 else None
-            )
-            assert res is out
-            assert_close(out, want, dtype, name="out")
+            got, got_final = res if final else (res, None)
+            assert out is None or got is out
+            if final:
+                assert_close(got_final, want_final, dtype, name="final_states")
+            g = got.double().cpu().numpy()
+            np.testing.assert_allclose(g[finite], want_out[finite], rtol=rtol, atol=atol)
+            assert not np.isfinite(g[~finite]).any()
     names = {p.name for p in _forward_plan._plans.values()}
     assert any(name.startswith("fwd_mma_time<") for name in names), names
 
