@@ -65,11 +65,12 @@ REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
 # the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
-# backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype, else 13) without (then
-# bwd_wide: at width 16, 2.8 times bwd_channel's speed in float32, 1.9 times in bfloat16,
-# "bwd_wide"; float16 at width 13, (8, 5120, 2048): bwd_channel 0.68 TB/s, bwd_wide 0.54, at 14
-# 0.45 / 0.53, "The tensor-core crossovers again").
-CHANNEL_MAX_WIDTH, CHANNEL_WIDE_FROM = 16, {"float16": 14}
+# backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide:
+# at width 16, 2.8 times bwd_channel's speed in float32, 1.9 times in bfloat16, "bwd_wide";
+# float16 at width 13, (8, 5120, 2048): bwd_channel 0.68 TB/s, bwd_wide 0.54, at 14 0.45 / 0.53,
+# "The tensor-core crossovers again").
+CHANNEL_MAX_WIDTH = 16
+CHANNEL_WIDE_FROM = {"float32": 13, "float16": 14, "bfloat16": 13, "float64": 13}
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
 # MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
 # faster at widths 11 / 12, level at 13; on (64, 1024, 512) 32 / 22 / 13 % faster at 12 / 13 /
@@ -238,12 +239,6 @@ def _mma_name(width: int, channel_last: bool = False) -> str:
     return f"bwd_mma<{C_TYPES['bfloat16']}, {steps}, {int(channel_last)}>"
 
 
-def channel_wide_from(dtype: str) -> int:
-    """The width from which channel-contiguous x of ``dtype`` without seq_idx leaves
-    bwd_channel (CHANNEL_WIDE_FROM)."""
-    return CHANNEL_WIDE_FROM.get(dtype, 13)
-
-
 def _time_rows(x: Array) -> bool:
     """Whether x's rows are time-contiguous (or one step long, with channels not contiguous)."""
     _, x_c, x_l = x.strides
@@ -287,7 +282,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                 if w <= TIME_MAX_WIDTH:
                     for chunk in (*(c for _, c in TIME_CHUNKS), TIME_LONG_CHUNK):
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
-                if w <= CHANNEL_MAX_WIDTH and (seq or w < channel_wide_from(d)):
+                if w <= CHANNEL_MAX_WIDTH and (seq or w < CHANNEL_WIDE_FROM[d]):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
@@ -339,7 +334,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = CHANNEL_TILE[itemsize][1]
-    narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < channel_wide_from(x.dtype_name))
+    narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < CHANNEL_WIDE_FROM[x.dtype_name])
     if x_c == 1 and narrow and _channel_vectors(x, lane_bytes):
         return _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device)
     if not has_seq:

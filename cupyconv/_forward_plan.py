@@ -294,11 +294,8 @@ def _plan_forward(
         source, name = table[kind]
         if source is MMA_CL.source:
             return _plan_mma_cl(x, out, width, name, device)
-        chunk = next((c for most, c in MMA_TIME_CHUNKS if seqlen * itemsize <= most), None)
-        chunk = chunk or MMA_TIME_LONG_CHUNK
-        span = 128 * chunk[0]
-        whole = seqlen % span == 0 or seqlen >= MMA_TIME_MIN_CHUNKS * span
-        if kind == "mma" and f"mma_time_{chunk[0]}" in table and rows_aligned(x, 2, 8) and whole:
+        chunk = _mma_time_chunk(seqlen, itemsize) if kind == "mma" else None
+        if chunk and f"mma_time_{chunk[0]}" in table and rows_aligned(x, 2, 8):
             return _plan_mma_time(x, out, chunk, table[f"mma_time_{chunk[0]}"][1])
         return _plan_mma(x, out, width, name, device, not time_major, kind.endswith("_split"))
     if time_major and width <= TIME_MAX_WIDTH:
@@ -337,6 +334,16 @@ def _plan_time(x, out, chunk, name, itemsize) -> Launch:
         out_aligned=_time_vectors(out, itemsize), chunk_divisor=fast_divisor(per_row),
         dim_divisor=fast_divisor(dim),
     )  # fmt: skip
+
+
+def _mma_time_chunk(seqlen: int, itemsize: int) -> tuple[int, int] | None:
+    """fwd_mma_time's chunk (groups, warps) for rows of ``seqlen``: the MMA_TIME_CHUNKS shape
+    that holds the row, else MMA_TIME_LONG_CHUNK; None where the row ends inside a chunk and
+    holds fewer than MMA_TIME_MIN_CHUNKS."""
+    row = seqlen * itemsize
+    chunk = next((c for most, c in MMA_TIME_CHUNKS if row <= most), MMA_TIME_LONG_CHUNK)
+    span = 128 * chunk[0]
+    return chunk if seqlen % span == 0 or seqlen >= MMA_TIME_MIN_CHUNKS * span else None
 
 
 def _plan_mma_time(x, out, chunk, name) -> Launch:

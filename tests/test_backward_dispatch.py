@@ -381,7 +381,7 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
             plan = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
             main = plan.launches[0]
             if not main.name.startswith("bwd_mma"):
-                narrow = width < _backward_plan.channel_wide_from("bfloat16")
+                narrow = width < _backward_plan.CHANNEL_WIDE_FROM["bfloat16"]
                 assert main.name.startswith("bwd_channel" if narrow else "bwd_wide"), main.name
                 continue
             steps = _launch.mma_steps(width)
@@ -504,7 +504,7 @@ def test_wide_plan_fits_the_device(monkeypatch, limit, layout):
                 if layout == "cf" and width <= _backward_plan.TIME_MAX_WIDTH:
                     assert main.name.startswith("bwd_time"), where
                     continue
-                if layout == "cl" and width < _backward_plan.channel_wide_from(name):
+                if layout == "cl" and width < _backward_plan.CHANNEL_WIDE_FROM[name]:
                     assert main.name.startswith("bwd_channel"), where
                     continue
                 if not main.name.startswith("bwd_wide"):

@@ -625,7 +625,7 @@ def test_channel_last_float16_crossover(monkeypatch, width):
     monkeypatch.setattr(_fast, "_calls", {})
     run_bwd(2, 70, 600, width, "float16", layout="cl", init=True, dfinal=True, seed=width)
     (plan,) = _backward_plan._plans.values()
-    narrow = width < _backward_plan.channel_wide_from("float16")
+    narrow = width < _backward_plan.CHANNEL_WIDE_FROM["float16"]
     assert plan.launches[0].name.startswith("bwd_channel<__half" if narrow else "bwd_wide<__half")
 
 
