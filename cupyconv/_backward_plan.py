@@ -48,6 +48,7 @@ CONSTANTS = {
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d a warp holds (its k-steps)
     "BWD_MMA_BLOCK_WARPS": 4,  # bwd_mma_block: warps a block, a span each, sharing a channel
+    "MMA_TIME_WARPS_PER_SM": 12,  # bwd_mma_time: the register budget's occupancy target
     "WIDE_THREADS": 256,  # bwd_wide: threads a block, 16 a channel
     "WIDE_CHANNELS": 16,  # bwd_wide: channels a block
     "WIDE_BLOCKS": 2,  # bwd_wide: blocks an SM its register budget is set for (float64: 1)
@@ -81,6 +82,11 @@ CHANNEL_WIDE_FROM = {"float32": 13, "float16": 14, "bfloat16": 13, "float64": 13
 # fits the device.
 MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH, MMA_SHORT_ROW, MMA_SPAN = 12, 16, 512, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
+# bwd_mma_time (bwd_mma's calls up to MMA_TIME_MAX_STEPS k-steps whose x and dout rows start on
+# 8-byte boundaries): chunks of MMA_TIME_CHUNK = (groups of 256 positions, warps a block), one
+# wave of warps, each a run of the call's chunks in channel-major order.
+MMA_TIME_MAX_STEPS = 3
+MMA_TIME_CHUNK = (2, 4)
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
 # 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
@@ -171,6 +177,11 @@ MMA = Kernel(
     ),
     pdl=True,
 )  # fmt: skip
+MMA_TIME = Kernel(
+    "bwd_mma_time", "bwd_mma_time.cu", "BwdMmaTimeParams",
+    ("dx_aligned", "chunk_divisor", "batch_divisor", "per"),
+    pdl=True,
+)  # fmt: skip
 MMA_BLOCK = Kernel(
     "bwd_mma_block", "bwd_mma.cu", "BwdMmaBlockParams",
     (
@@ -189,7 +200,7 @@ WIDE = Kernel(
 )  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams", pdl=True)
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams", pdl=True)
-KERNELS = (TIME, CHANNEL, MMA, MMA_BLOCK, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (TIME, CHANNEL, MMA, MMA_TIME, MMA_BLOCK, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -245,6 +256,11 @@ def _time_rows(x: Array) -> bool:
     return x_l == 1 or (x.shape[2] == 1 and x_c != 1)
 
 
+def _mma_time_name(width: int) -> str:
+    groups, warps = MMA_TIME_CHUNK
+    return f"bwd_mma_time<{C_TYPES['bfloat16']}, {mma_steps(width)}, {groups}, {warps}>"
+
+
 def takes_mma(x: Array, weight_dtype: str, width: int, has_seq: bool) -> bool:
     """Whether bwd_mma (or bwd_mma_block, from MMA_BLOCK_STEPS k-steps) serves the call:
     bfloat16 x and weights, time-contiguous x (or rows of one step), no seq_idx, width
@@ -286,6 +302,8 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
+                if mma_steps(w) <= MMA_TIME_MAX_STEPS:
+                    found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w))
             if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
                 found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
     return {source: sorted(names) for source, names in found.items()}
@@ -324,6 +342,9 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     x_c = x.strides[1]
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
+        if 2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8):
+            if rows_aligned(dout, 2, 8):
+                return _plan_mma_time(x, dx, width, states, device)
         if mma_steps(width) >= MMA_BLOCK_STEPS:
             return _plan_mma_block(x, dout, dx, width, states, device)
         return _plan_mma(x, dout, dx, width, states, device)
@@ -441,6 +462,23 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
         **_mma_layout(span, steps), stage_at=0,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _plan_mma_time(x, dx, width, states, device) -> BackwardPlan:
+    """One wave of bwd_mma_time warps (MMA_TIME_CHUNK), each a run of ``per`` chunks of
+    the call's in channel-major order (a part of the partials a chunk)."""
+    batch, dim, seqlen = x.shape
+    groups, warps = MMA_TIME_CHUNK
+    name = _mma_time_name(width)
+    per_row = -(-seqlen // (256 * groups))
+    items = dim * batch * per_row
+    slots = resident_blocks(device, MMA_TIME.source, name, 32 * warps, 0) * warps
+    per = -(-items // slots)
+    launch = MMA_TIME.launch(
+        name, _grid(-(-items // per), warps), (32 * warps, 1), dx_aligned=rows_aligned(dx, 2, 8),
+        chunk_divisor=fast_divisor(per_row), batch_divisor=fast_divisor(batch), per=per,
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * per_row, None)
 
 
 def _mma_block_layout(span: int, steps: int) -> tuple[dict, int]:

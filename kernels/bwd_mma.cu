@@ -65,14 +65,6 @@ using bf16 = __nv_bfloat16;
 
 template <int N> struct Count { static constexpr int value = N; };
 
-__device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }
-// a and b rounded to bfloat16, a in the low half.
-__device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-__device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 // 4-byte shared-memory accesses at an address as smem_address gives it.
 __device__ __forceinline__ void st_shared32(unsigned at, unsigned v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
@@ -262,22 +254,6 @@ __device__ __forceinline__ void dump_lag(float* cd, const float (&acc)[2][4]) {
         float2* const at = lane_entry(cd, h);
         at[0] = make_float2(acc[h][0], acc[h][1]);
         at[64] = make_float2(acc[h][2], acc[h][3]);
-    }
-}
-
-// Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
-// dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
-template <int KS>
-__device__ __forceinline__ void add_diagonals(const float* cd, int d, int width, float (&dw)[ToeplitzTaps<KS>::N]) {
-    const int lane = threadIdx.x & 31;
-    #pragma unroll
-    for (int j = 0; j < ToeplitzTaps<KS>::N; ++j) {
-        const int k = lane + 32 * j, e = width - 1 - k - 16 * d;  // e - a
-        if (k < width && e > -16 && e < 16) {
-            float sum = 0.f;
-            for (int a = max(0, -e); a < min(16, 16 - e); ++a) sum += cd[e + 17 * a];
-            dw[j] += sum;
-        }
     }
 }
 

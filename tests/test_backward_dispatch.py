@@ -7,6 +7,8 @@ Runs without a GPU: the arrays are stand-ins exposing only ``__cuda_array_interf
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from fakes import FakeCudaArray
@@ -316,8 +318,10 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
     MMA_SHORT_MIN_WIDTH) to 256 x short and long rows x aligned and misaligned x: bwd_mma below
     MMA_BLOCK_STEPS k-steps, bwd_mma_block from there, its shared memory within the opt-in limit
     (the layout's areas in order, 16-byte aligned), spans a multiple of 256, and runs that cover
-    every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row)."""
+    every item (a block's item: BWD_MMA_BLOCK_WARPS spans of a row). (bwd_mma_time, which
+    takes the narrower aligned rows, has its own test.)"""
     monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "MMA_TIME_MAX_STEPS", 0)
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 2)
     block_warps = _backward_plan.CONSTANTS["BWD_MMA_BLOCK_WARPS"]
@@ -361,6 +365,43 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
                 assert 1 <= main.grid and units * f["per"] >= items, where
                 assert plan.n_parts == 2 * -(-seqlen // rows_per_item), where
                 assert f["x_aligned"] == (ptr % 16 == 0 and seqlen % 8 == 0), where
+
+
+def test_time_tensor_core_plan(monkeypatch):
+    """bwd_mma_time for bwd_mma's calls of up to MMA_TIME_MAX_STEPS k-steps whose x and dout
+    rows start on 8-byte boundaries: chunks of MMA_TIME_CHUNK, one wave of warps, each a run of
+    ``per`` chunks that together cover the call, a part of the partials a chunk; bwd_mma for
+    the others."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    resident = 132 * 3
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: resident)
+    groups, warps = _backward_plan.MMA_TIME_CHUNK
+    span, bp, base = 256 * groups, _backward_plan, 1 << 40
+    for seqlen, ptr, dx_ptr in itertools.product(
+        (300, 512, 700, 2048, 5000), (base, base + 8, base + 2), (base, base + 4)
+    ):
+        first = bp.MMA_SHORT_MIN_WIDTH if seqlen <= bp.MMA_SHORT_ROW else bp.MMA_MIN_WIDTH
+        for width in range(first, 66):
+            x, dx = bf16_rows(3, 40, seqlen, ptr=ptr), bf16_rows(3, 40, seqlen, ptr=dx_ptr)
+            plan = bp.plan_backward(x, x, dx, width, False, False, "bfloat16", 0)
+            main = plan.launches[0]
+            steps = _launch.mma_steps(width)
+            where = f"L={seqlen} ptr%16={ptr % 16} width {width}"
+            if steps > bp.MMA_TIME_MAX_STEPS or ptr % 8:
+                assert main.name.startswith("bwd_mma<"), where
+                continue
+            assert main.name == f"bwd_mma_time<__nv_bfloat16, {steps}, {groups}, {warps}>"
+            f = dict(zip(bp.MMA_TIME.plan_fields, main.plan_fields, strict=True))
+            per_row = -(-seqlen // span)
+            items, per = 40 * 3 * per_row, f["per"]
+            assert main.block == (32 * warps, 1) and main.smem == 0, where
+            assert per == -(-items // (resident * warps)), where
+            assert (main.grid - 1) * warps * per < items <= main.grid * warps * per, where
+            assert f["chunk_divisor"] == _launch.fast_divisor(per_row), where
+            assert f["batch_divisor"] == _launch.fast_divisor(3), where
+            assert f["dx_aligned"] == (dx_ptr % 8 == 0), where
+            assert plan.n_parts == 3 * per_row, where
 
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))

@@ -238,10 +238,12 @@ def forced_route(monkeypatch, kernel: str, **limits):
 
 @pytest.fixture
 def tensor_cores(monkeypatch):
-    """bwd_mma for every width it takes, whatever the dispatch threshold."""
+    """bwd_mma for every width it takes, whatever the dispatch threshold (bwd_mma_time's
+    widths too)."""
     yield from forced_route(
-        monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2
-    )
+        monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2,
+        MMA_TIME_MAX_STEPS=0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)
@@ -320,6 +322,10 @@ def test_tensor_core_single_part(tensor_cores, layout, width, seqlen):
 
 @pytest.mark.parametrize("layout,width", [("cf", 16), ("cf", 64), ("cf", 200), ("cl", 64)])
 def test_tensor_core_repeatable(tensor_cores, layout, width):
+    check_repeatable(layout, width)
+
+
+def check_repeatable(layout, width):
     """Every output bitwise the same over repeated runs: runs of spans and channels of many
     warps (the dweight products summed in a fixed order)."""
     import torch
@@ -346,8 +352,9 @@ def test_tensor_core_repeatable(tensor_cores, layout, width):
 def block_cores(monkeypatch):
     """bwd_mma_block for every time-contiguous width bwd_mma takes, narrow ones included."""
     yield from forced_route(
-        monkeypatch, "bwd_mma_block", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_BLOCK_STEPS=2
-    )
+        monkeypatch, "bwd_mma_block", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_BLOCK_STEPS=2,
+        MMA_TIME_MAX_STEPS=0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("width", MMA_WIDTHS)
@@ -415,6 +422,83 @@ def check_non_finite(shape, dtype, layout, width, silu):
         assert (~finite).any() and finite.any(), name
         np.testing.assert_allclose(a[finite], e[finite], rtol=rtol, atol=atol)
         assert not np.isfinite(a[~finite]).any(), name
+
+
+# ---- bwd_mma_time: time-contiguous rows on 8-byte boundaries, in registers ------------------
+
+
+@pytest.fixture
+def time_cores(monkeypatch):
+    """bwd_mma_time for every width up to its k-steps, whatever the dispatch threshold."""
+    yield from forced_route(monkeypatch, "bwd_mma_time", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2)
+
+
+TIME_MMA_WIDTHS = (2, 4, 5, 8, 12, 16, 17, 18, 24, 31, 33)
+
+
+@pytest.mark.parametrize("width", TIME_MMA_WIDTHS)
+@pytest.mark.parametrize("layout", ("cf", "cf_slice", "time_padded"))
+def test_time_tensor_core_widths(time_cores, width, layout):
+    """Chunks of 512 positions, whole and cut by the row's end (time_padded: rows of 1499, the
+    last 4 positions part in the row; dx written position by position)."""
+    seqlen = 1499 if layout == "time_padded" else 1500
+    run_bwd(2, 37, seqlen, width, "bfloat16", layout=layout, seed=width)
+
+
+@pytest.mark.parametrize(
+    "features", ["nobias-nosilu", "nosilu", "init", "dfinal", "init-dfinal", "buffers"]
+)
+@pytest.mark.parametrize("width", (5, 16, 33))
+def test_time_tensor_core_features(time_cores, features, width):
+    run_bwd(3, 20, 700, width, "bfloat16", seed=width, **features_of(features))
+
+
+@pytest.mark.parametrize("seqlen", (1, 3, 5, 255, 256, 257, 511, 512, 513, 1024, 1027, 2100))
+@pytest.mark.parametrize("width", (8, 33))
+def test_time_tensor_core_row_lengths(time_cores, seqlen, width):
+    """Rows shorter than the width, chunks cut by the row's end inside a group of 4, L < K - 1
+    with states, one part (one chunk a channel: dweight and dbias written directly) and
+    several."""
+    kw = dict(layout="time_padded", init=True)
+    run_bwd(2, 9, seqlen, width, "bfloat16", dfinal=True, seed=seqlen, **kw)
+    run_bwd(1, 7, seqlen, width, "bfloat16", seed=seqlen + 1, **kw)
+
+
+@pytest.mark.parametrize("width", (16, 33))
+def test_time_tensor_core_runs(time_cores, monkeypatch, width):
+    """Eight warps in all: each takes a run of many chunks (several channels, batch rows, runs
+    starting inside a row), the C_d carried over a channel's chunks and summed at its last."""
+    from cupyconv import _backward_plan
+
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: 2)
+    run_bwd(3, 20, 1300, width, "bfloat16", init=True, dfinal=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    main = plan.launches[0]
+    f = dict(zip(_backward_plan.MMA_TIME.plan_fields, main.plan_fields, strict=True))
+    groups, warps = _backward_plan.MMA_TIME_CHUNK
+    per_row = -(-1300 // (256 * groups))
+    assert main.name.startswith("bwd_mma_time<") and plan.n_parts == 3 * per_row
+    assert f["per"] == -(-20 * 3 * per_row // (2 * warps)) and main.grid <= 2
+
+
+@pytest.mark.parametrize("width", (16, 31))
+def test_time_tensor_core_repeatable(time_cores, width):
+    check_repeatable("cf", width)
+
+
+@pytest.mark.parametrize("runs", (False, True), ids=("chunks", "runs"))
+@pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
+@pytest.mark.parametrize("width", (8, 16, 33))
+def test_time_tensor_core_non_finite_values_reach_only_their_taps(
+    time_cores, monkeypatch, width, silu, runs
+):
+    """(runs: eight warps in all, each a run of many chunks, the dz of a chunk's last group
+    carried to the next one.)"""
+    from cupyconv import _backward_plan
+
+    if runs:
+        monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: 2)
+    check_non_finite((2, 6, 2500), "bfloat16", "cf", width, silu)
 
 
 # ---- bwd_wide: CUDA cores, any layout, width and dtype pair without seq_idx ----------------

@@ -103,6 +103,16 @@ def test_every_backward_family_compiles(dtype):
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
 
+def test_time_tensor_core_backward_compiles():
+    """bwd_mma_time at every k-step count it takes (widths 16 and 31) for sm_90, and at KS 2 for
+    sm_80 (its register transposes, movmatrix, are sm_75 and newer)."""
+    every = all_backward_instances(("bfloat16",))[_backward_plan.MMA_TIME.source]
+    names = all_backward_instances(("bfloat16",), (16, 31))[_backward_plan.MMA_TIME.source]
+    assert len(names) == _backward_plan.MMA_TIME_MAX_STEPS - 1 and set(names) == set(every)
+    assert len(compile_offline(_backward_plan.MMA_TIME.source, names, "sm_90")) > 1000
+    assert len(compile_offline(_backward_plan.MMA_TIME.source, names[:1], "sm_80")) > 1000
+
+
 def test_update_and_varlen_families_compile():
     """conv_update with its window in registers (widths 1 and 4) and with a run-time width,
     for a 2-byte and the 8-byte dtype; varlen_states for every dtype."""

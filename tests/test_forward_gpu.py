@@ -40,7 +40,8 @@ def to_gpu(a64, dtype, layout="cf"):
     """A torch CUDA tensor of logical shape a64.shape (3-D: [B, C, L]) in ``layout``:
     cf (time-contiguous), cl (channel-contiguous), cl_slice (channel slice of a wider
     channel-last projection), cf_slice (channel slice of a wider channel-first buffer),
-    time_stride2 (every other time step), misaligned (base pointer one element off)."""
+    time_stride2 (every other time step), misaligned (base pointer one element off),
+    time_padded (time-contiguous rows on 16-byte boundaries, each in a row of a multiple of 8)."""
     import torch
 
     t = torch.from_numpy(a64).to(device="cuda", dtype=torch_dtype(dtype))
@@ -58,6 +59,10 @@ def to_gpu(a64, dtype, layout="cf"):
     elif layout == "time_stride2":
         buf = torch.full((b, c, 2 * length), float("nan"), device="cuda", dtype=t.dtype)
         view = buf[:, :, ::2]
+    elif layout == "time_padded":
+        padded = length + 8 - length % 8
+        buf = torch.full((b, c, padded), float("nan"), device="cuda", dtype=t.dtype)
+        view = buf[:, :, :length]
     elif layout == "misaligned":
         buf = torch.full((b * c * length + 1,), float("nan"), device="cuda", dtype=t.dtype)
         view = buf[1:].view(b, c, length)
