@@ -61,6 +61,23 @@ __device__ __forceinline__ void write_sum(A* partials, void* dweight, void* dbia
         write_result(dweight, dbias, p, c, k, v);
 }
 
+// A warp's sums of channel c as part `part` (write_sum): dweight's taps k = lane + 32 j (this
+// lane's dw[j]) and dbias (this lane's db, summed over the warp); zeroes them.
+template <int N, typename A, typename P>
+__device__ __forceinline__ void write_warp_sums(A* partials, void* dweight, void* dbias, const P& p, int64 part,
+                                                int64 c, A (&dw)[N], A& db) {
+    const int lane = threadIdx.x & 31, width = (int)p.width;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+    #pragma unroll
+    for (int j = 0; j < N; ++j) {
+        if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, c, lane + 32 * j, dw[j]);
+        dw[j] = 0.f;
+    }
+    if (lane == 0) write_sum(partials, dweight, dbias, p, part, c, width, db);
+    db = 0.f;
+}
+
 // SiLU's derivative, sigmoid(z) (1 + z (1 - sigmoid(z))). float: fast exp and reciprocal
 // (exp(-z) = inf gives sigmoid 0); double: exact.
 __device__ __forceinline__ float silu_grad(float z) {

@@ -639,15 +639,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
             if (!more || nxt.c != cur.c) {
                 // a lag at a time through the item's x buffer, done with now
                 flush_lags<KS, KS, 1>(cacc, 0, reinterpret_cast<float*>(buf ? x1 : x0), width, dw);
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-                #pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, c, lane + 32 * j, dw[j]);
-                    dw[j] = 0.f;
-                }
-                if (lane == 0) write_sum(partials, dweight, dbias, p, part, c, width, db);
-                db = 0.f;
+                write_warp_sums(partials, dweight, dbias, p, part, c, dw, db);
             } else {
                 for (int k = lane; k <= width; k += 32) partials[(part * dim + c) * (width + 1) + k] = 0.f;
             }

@@ -489,15 +489,7 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
                     add_diagonals<KS>(cd, d, width, dw);
                 }
                 __syncwarp();
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-                #pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    if (lane + 32 * j < width) write_sum(partials, dweight, dbias, p, part, c, lane + 32 * j, dw[j]);
-                    dw[j] = 0.f;
-                }
-                if (lane == 0) write_sum(partials, dweight, dbias, p, part, c, width, db);
-                db = 0.f;
+                write_warp_sums(partials, dweight, dbias, p, part, c, dw, db);
             } else {  // (width + 1 <= 64 sums)
                 float* const zeros = partials + (part * dim + c) * (width + 1) + lane;
                 if (lane <= width) zeros[0] = 0.f;
