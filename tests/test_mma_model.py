@@ -2,8 +2,11 @@
 m16n8k16 fragment layouts: checks the index mapping of the A (Toeplitz weights, read from the
 zero-padded weight row), B (inputs, read as 8-byte words of the staged window) and C (outputs,
 stored as adjacent pairs) fragments, with the kernel's permutations of k and of the rows,
-against a direct causal convolution; and models of the channel-last moves of fwd_mma and
-bwd_mma (index math, byte permutations, shared-memory bank conflicts).
+against a direct causal convolution; a model of bwd_mma_time's backward (a group's blocks as
+the rows of A, shifted across lanes and groups, the bands as B, dweight from register
+transposes summed along its lags) against the reference backward; and models of the
+channel-last moves of fwd_mma and bwd_mma (index math, byte permutations, shared-memory bank
+conflicts).
 """
 
 import numpy as np
@@ -100,6 +103,159 @@ def test_fragment_model_is_the_convolution(width):
         x = rng.standard_normal(length)
         w = rng.standard_normal(width)
         np.testing.assert_allclose(model(x, w, width), direct(x, w, width), atol=1e-9)
+
+
+# ---- bwd_mma_time: a group's blocks as the rows of A (kernels/bwd_mma_time.cu) -----------------
+# A lane's data of a group of 256 positions: its rows 0 and 1, positions 16 g + 4 tg + e and 128
+# more (e = 0 .. 3), as [32][8] arrays (row 0's four values, then row 1's). Word x of a row is
+# its values 0, 1 (A's k = 2 tg, 2 tg + 1), word y its values 2, 3 (k = 2 tg + 8, + 9).
+
+
+def group_rows(v, start):
+    """The lane rows of the group at ``start`` of the row ``v`` (zeros outside it)."""
+    rows = np.zeros((32, 8))
+    for lane in range(32):
+        g, tg = lane >> 2, lane & 3
+        for r in range(2):
+            for e in range(4):
+                p = start + 128 * r + 16 * g + 4 * tg + e
+                rows[lane, 4 * r + e] = v[p] if 0 <= p < len(v) else 0.0
+    return rows
+
+
+def shifted(prev, cur, nxt, d):
+    """A's values (a0 .. a3 pairs) of a group's blocks d back (d > 0: back(), the group before's
+    row 1 where they wrap) or -d ahead (d < 0: ahead(), the group after's row 0): each lane
+    gives lane (g + d) mod 8 the rows its reader needs, one shuffle a word."""
+    give = np.zeros((32, 8))
+    for lane in range(32):
+        g = lane >> 2
+        if d >= 0:
+            wrap = g + d >= 8
+            give[lane, :4] = prev[lane, 4:] if wrap else cur[lane, :4]
+            give[lane, 4:] = cur[lane, :4] if wrap else cur[lane, 4:]
+        else:
+            wrap = g < -d
+            give[lane, :4] = cur[lane, 4:] if wrap else cur[lane, :4]
+            give[lane, 4:] = nxt[lane, :4] if wrap else cur[lane, 4:]
+    got = np.array([give[(lane - 4 * d) & 31] for lane in range(32)])
+    r0, r1 = got[:, :4], got[:, 4:]
+    return np.concatenate([r0[:, :2], r1[:, :2], r0[:, 2:], r1[:, 2:]], axis=1)
+
+
+def band(w, K, D, d, H, reverse):
+    """B of half H for the blocks d apart: column g is output o = 4 (g / 2) + 2 H + g % 2, k = 2 tg
+    + h input 4 tg + h, k = 2 tg + 8 + h input 4 tg + 2 + h; z's taps K - 1 + e - o - 16 d, dx's
+    K - 1 - 16 d - e + o, from the zero-padded row."""
+    pad = D + 15
+    wpad = np.zeros(2 * D + 32)
+    wpad[pad : pad + K] = w
+    b = np.zeros((32, 4))
+    for lane in range(32):
+        g, tg = lane >> 2, lane & 3
+        o = 4 * (g >> 1) + 2 * H + (g & 1)
+        for e in range(4):
+            tap = K - 1 - 16 * d + (o - 4 * tg - e if reverse else 4 * tg + e - o)
+            b[lane, e] = wpad[pad + tap]
+    return b
+
+
+def accumulators_to_rows(acc):
+    """The lane rows of a group from the accumulators of halves 0 and 1 (c0, c1: row g, outputs
+    4 tg + 2 H, + 1; c2, c3: row g + 8)."""
+    rows = np.zeros((32, 8))
+    rows[:, [0, 1, 4, 5]] = acc[0][:, [0, 1, 2, 3]]
+    rows[:, [2, 3, 6, 7]] = acc[1][:, [0, 1, 2, 3]]
+    return rows
+
+
+def movmatrix(pairs):
+    """movmatrix .trans: lane (g, tg)'s pair of row g, columns 2 tg, 2 tg + 1 of an 8 x 8 matrix ->
+    the same of the transposed matrix."""
+    m = np.zeros((8, 8))
+    for lane in range(32):
+        m[lane >> 2, 2 * (lane & 3) : 2 * (lane & 3) + 2] = pairs[lane]
+    return np.array(
+        [[m[2 * (lane & 3), lane >> 2], m[2 * (lane & 3) + 1, lane >> 2]] for lane in range(32)]
+    )
+
+
+def backward_model(x, dout, w, bias, K):
+    """dx, dweight and dbias of one row by bwd_mma_time's fragments (float64, with SiLU)."""
+    L, KS = len(x), -(-(K - 1) // 16) + 1
+    D, n_groups = 16 * (KS - 1), -(-L // 256)
+    xs = [group_rows(x, 256 * j) for j in range(-1, n_groups + 1)]  # xs[j + 1]: group j
+    dz_rows = []  # groups 0 .. n_groups (the group after the row: its dz is 0)
+    for j in range(n_groups + 1):
+        acc = [np.full((32, 4), float(bias)), np.full((32, 4), float(bias))]
+        for d in range(KS - 1, -1, -1):
+            a = shifted(xs[j], xs[j + 1], None, d)
+            for H in range(2):
+                acc[H] = mma(a, band(w, K, D, d, H, False), acc[H])
+        z = accumulators_to_rows(acc)
+        sig = 1 / (1 + np.exp(-z))
+        dz_rows.append(group_rows(dout, 256 * j) * sig * (1 + z * (1 - sig)))
+    cacc = np.zeros((KS, 2, 32, 4))
+    # dweight's lag products, group by group
+    for j in range(n_groups):
+        for d in range(KS):
+            a = shifted(xs[j], xs[j + 1], None, d)
+            ta = np.concatenate([movmatrix(a[:, 2 * i : 2 * i + 2]) for i in (0, 2, 1, 3)], axis=1)
+            for H in range(2):
+                b = np.concatenate(
+                    [movmatrix(dz_rows[j][:, 4 * r + 2 * H : 4 * r + 2 * H + 2]) for r in range(2)],
+                    axis=1,
+                )
+                cacc[d, H] = mma(ta, b, cacc[d, H])
+    dx = np.zeros(L)
+    for j in range(n_groups):
+        acc = [np.zeros((32, 4)), np.zeros((32, 4))]
+        for d in range(KS):
+            a = shifted(None, dz_rows[j], dz_rows[j + 1], -d)
+            for H in range(2):
+                acc[H] = mma(a, band(w, K, D, d, H, True), acc[H])
+        rows = accumulators_to_rows(acc)
+        for lane in range(32):
+            g, tg = lane >> 2, lane & 3
+            for r in range(2):
+                for e in range(4):
+                    p = 256 * j + 128 * r + 16 * g + 4 * tg + e
+                    if p < L:
+                        dx[p] = rows[lane, 4 * r + e]
+    dweight = np.zeros(K)
+    for d in range(KS):
+        for H in range(2):
+            for lane in range(32):
+                g, tg = lane >> 2, lane & 3
+                for i, (a_off, n_off) in enumerate(
+                    ((0, 0), (0, 1), (2, 0), (2, 1))
+                ):  # c0, c1: a = g; c2, c3: a = g + 8 (2 positions on)
+                    a = 4 * (g >> 1) + (g & 1) + a_off
+                    n = 4 * tg + 2 * H + n_off
+                    tap = K - 1 - 16 * d - n + a
+                    if 0 <= tap < K:
+                        dweight[tap] += cacc[d, H, lane, i]
+    dbias = sum(dz_rows[j].sum() for j in range(n_groups))
+    return dx, dweight, dbias
+
+
+@pytest.mark.parametrize("width", (2, 5, 16, 17, 31, 33))
+def test_time_backward_fragment_model_is_the_backward(width):
+    """bwd_mma_time's layouts (blocks as A's rows, shifted by shuffles across groups, the bands as
+    B, dweight from transposed operands summed along the C_d's lags) give the backward of a
+    causal convolution with SiLU."""
+    from cupyconv import reference
+
+    for length in (37, 256, 300, 600):
+        x, dout = rng.standard_normal(length), rng.standard_normal(length)
+        w, bias = rng.standard_normal(width) * width**-0.5, 0.3
+        dx, dweight, dbias = backward_model(x, dout, w, bias, width)
+        want = reference.causal_conv1d_bwd(
+            x[None, None], w[None], np.array([bias]), dout[None, None], activation="silu"
+        )
+        np.testing.assert_allclose(dx, want[0][0, 0], atol=1e-9)
+        np.testing.assert_allclose(dweight, want[1][0], atol=1e-9)
+        np.testing.assert_allclose(dbias, want[2][0], atol=1e-9)
 
 
 # ---- channel-contiguous x: the staging area, the rows and the output block -------------------
