@@ -346,7 +346,8 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
         if 2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8):
-            if rows_aligned(dout, 2, 8):
+            chunks = batch * dim * -(-seqlen // (256 * MMA_TIME_CHUNK[0]))  # (32-bit indices)
+            if rows_aligned(dout, 2, 8) and chunks < 2**31:
                 return _plan_mma_time(x, dx, width, states, device)
         if mma_steps(width) >= MMA_BLOCK_STEPS:
             return _plan_mma_block(x, dout, dx, width, states, device)

@@ -402,6 +402,10 @@ def test_time_tensor_core_plan(monkeypatch):
             assert f["batch_divisor"] == _launch.fast_divisor(3), where
             assert f["dx_aligned"] == (dx_ptr % 8 == 0), where
             assert plan.n_parts == 3 * per_row, where
+    # 2^31 chunks or more (its indices are 32-bit): bwd_mma
+    x = bf16_rows(2**20, 2**10, span * 2, ptr=base)
+    plan = bp.plan_backward(x, x, x, 16, False, False, "bfloat16", 0)
+    assert plan.launches[0].name.startswith("bwd_mma<")
 
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
