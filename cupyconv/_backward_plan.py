@@ -182,7 +182,7 @@ MMA = Kernel(
 )  # fmt: skip
 MMA_TIME = Kernel(
     "bwd_mma_time", "bwd_mma_time.cu", "BwdMmaTimeParams",
-    ("dx_aligned", "chunk_divisor", "batch_divisor", "per"),
+    ("dx_aligned", "per"),
     pdl=True,
 )  # fmt: skip
 MMA_BLOCK = Kernel(
@@ -480,7 +480,7 @@ def _plan_mma_time(x, dx, width, states, device) -> BackwardPlan:
     per = -(-items // slots)
     launch = MMA_TIME.launch(
         name, _grid(-(-items // per), warps), (32 * warps, 1), dx_aligned=rows_aligned(dx, 2, 8),
-        chunk_divisor=fast_divisor(per_row), batch_divisor=fast_divisor(batch), per=per,
+        per=per,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * per_row, None)
 

@@ -398,8 +398,6 @@ def test_time_tensor_core_plan(monkeypatch):
             assert main.block == (32 * warps, 1) and main.smem == 0, where
             assert per == -(-items // (resident * warps)), where
             assert (main.grid - 1) * warps * per < items <= main.grid * warps * per, where
-            assert f["chunk_divisor"] == _launch.fast_divisor(per_row), where
-            assert f["batch_divisor"] == _launch.fast_divisor(3), where
             assert f["dx_aligned"] == (dx_ptr % 8 == 0), where
             assert plan.n_parts == 3 * per_row, where
     # 2^31 chunks or more (its indices are 32-bit): bwd_mma

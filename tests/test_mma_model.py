@@ -38,13 +38,20 @@ def mma(a, b, c):
     return out
 
 
+def padded_taps(w, K, D):
+    """The taps zero-padded as the kernels hold them (ToeplitzTaps: 2 D + 32 values, the taps from
+    PAD = D + 15 on), and PAD."""
+    pad = D + 15
+    wpad = np.zeros(2 * D + 32)
+    wpad[pad : pad + K] = w
+    return wpad, pad
+
+
 def a_fragment(w, K, D, s):
     """Lane values of k-step s as load_row builds them: register r = (r & 1: row g + 8,
     r >> 1: upper k) holds wpad[PAD + tap], tap = 16 s + 4 tg + 2 (r >> 1) + h - 2 g - (r & 1)
     - (D - K + 1), from the zero-padded weight row."""
-    pad = D + 15
-    wpad = np.zeros(2 * D + 32)
-    wpad[pad : pad + K] = w
+    wpad, pad = padded_taps(w, K, D)
     frag = np.zeros((32, 8))
     for lane in range(32):
         g, tg = lane >> 2, lane & 3
@@ -147,9 +154,7 @@ def band(w, K, D, d, H, reverse):
     """B of half H for the blocks d apart: column g is output o = 4 (g / 2) + 2 H + g % 2, k = 2 tg
     + h input 4 tg + h, k = 2 tg + 8 + h input 4 tg + 2 + h; z's taps K - 1 + e - o - 16 d, dx's
     K - 1 - 16 d - e + o, from the zero-padded row."""
-    pad = D + 15
-    wpad = np.zeros(2 * D + 32)
-    wpad[pad : pad + K] = w
+    wpad, pad = padded_taps(w, K, D)
     b = np.zeros((32, 4))
     for lane in range(32):
         g, tg = lane >> 2, lane & 3
