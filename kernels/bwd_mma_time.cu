@@ -138,6 +138,14 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
     float* const cd = cd_mem[threadIdx.x / 32];
     uint2 (&zb)[KS][2][32] = zb_mem[threadIdx.x / 32];
     uint2 (&xb)[KS][2][32] = xb_mem[threadIdx.x / 32];
+    // dz's halves of a chunk's last group, carried to the row's next chunk: in registers at KS 2,
+    // in the warp's shared memory at KS 3, whose registers are the scarcer (width 31: 4 % faster
+    // so, width 16 3 % slower: benchmarks/NOTES.md, "bwd_mma_time: the backward's chunk in
+    // registers"). [h0, h1, l0, l1][lane]
+    constexpr bool CARRY_SHARED = KS >= 3;
+    __shared__ uint2 carry_mem[WARPS][CARRY_SHARED ? 4 : 1][32];
+    uint2 (&carry)[CARRY_SHARED ? 4 : 1][32] = carry_mem[threadIdx.x / 32];
+    for (int i = 0; i < (CARRY_SHARED ? 4 : 1); ++i) carry[i][lane] = make_uint2(0u, 0u);
     for (int i = lane; i < SIZE; i += 32) wpad[i] = 0.f;
 
     // (the plan keeps the call's chunks below 2^31)
@@ -400,7 +408,13 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
                     // 3. dx of the group before (of the chunk before's last where it was left here:
                     // computed always, stored where so)
                     if (j > 0) dx_group(whole_flag, dzh[j - 1], dzl[j - 1], dzh[j], dzl[j], 256 * (j - 1));
-                    else dx_group(whole_flag, ch, cl, dzh[0], dzl[0], -256, carried);  // (a whole chunk)
+                    else {  // (a whole chunk)
+                        if constexpr (CARRY_SHARED) {
+                            #pragma unroll
+                            for (int r = 0; r < 2; ++r) ch[r] = carry[r][lane], cl[r] = carry[2 + r][lane];
+                        }
+                        dx_group(whole_flag, ch, cl, dzh[0], dzl[0], -256, carried);
+                    }
                     // 4. dweight's lag products
                     #pragma unroll
                     for (int H = 0; H < 2; ++H) {
@@ -419,7 +433,10 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
                 // dz past the chunk (0 past the row; else from the group after, loaded here).
                 if (follows) {
                     #pragma unroll
-                    for (int r = 0; r < 2; ++r) ch[r] = dzh[NV - 1][r], cl[r] = dzl[NV - 1][r];
+                    for (int r = 0; r < 2; ++r) {
+                        if constexpr (CARRY_SHARED) carry[r][lane] = dzh[NV - 1][r], carry[2 + r][lane] = dzl[NV - 1][r];
+                        else ch[r] = dzh[NV - 1][r], cl[r] = dzl[NV - 1][r];
+                    }
                 } else {
                     uint2 ah[2] = {}, al[2] = {};
                     if (start + SPAN < seqlen) {
