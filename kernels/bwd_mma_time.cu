@@ -132,20 +132,21 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
     // The warp's zero-padded taps (ToeplitzTaps: taps at PAD.., written for every channel, zeros
     // around them written once), a lag's C_d (256 floats, cd[16 a + n]) when it is summed, and
     // the B fragments of the bands of z and dx, [d][H][lane] (each lane reads its own only).
-    __shared__ float wpad_mem[WARPS][SIZE], cd_mem[WARPS][256];
+    __shared__ float wpad_mem[WARPS][SIZE];
+    __shared__ __align__(16) float cd_mem[WARPS][256];
     __shared__ uint2 zb_mem[WARPS][KS][2][32], xb_mem[WARPS][KS][2][32];
     float* const wpad = wpad_mem[threadIdx.x / 32];
     float* const cd = cd_mem[threadIdx.x / 32];
     uint2 (&zb)[KS][2][32] = zb_mem[threadIdx.x / 32];
     uint2 (&xb)[KS][2][32] = xb_mem[threadIdx.x / 32];
-    // dz's halves of a chunk's last group, carried to the row's next chunk: in registers at KS 2,
-    // in the warp's shared memory at KS 3, whose registers are the scarcer (width 31: 4 % faster
-    // so, width 16 3 % slower: benchmarks/NOTES.md, "bwd_mma_time: the backward's chunk in
-    // registers"). [h0, h1, l0, l1][lane]
+    // dz's halves of a chunk's last group, carried to the row's next chunk (ch, cl below): in
+    // registers at KS 2, at KS 3 (whose registers are the scarcer) in the warp's cd, as carry[h0,
+    // h1, l0, l1][lane] (width 31 4 % faster so, width 16 3 % slower: benchmarks/NOTES.md,
+    // "bwd_mma_time's carried dz in shared memory"). cd is free while they wait there: a chunk
+    // that leaves them is not its channel's last in the run (whose lags go through cd), and the
+    // exact path, which sums into cd, drops them (carried = false).
     constexpr bool CARRY_SHARED = KS >= 3;
-    __shared__ uint2 carry_mem[WARPS][CARRY_SHARED ? 4 : 1][32];
-    uint2 (&carry)[CARRY_SHARED ? 4 : 1][32] = carry_mem[threadIdx.x / 32];
-    for (int i = 0; i < (CARRY_SHARED ? 4 : 1); ++i) carry[i][lane] = make_uint2(0u, 0u);
+    uint2 (&carry)[4][32] = *reinterpret_cast<uint2(*)[4][32]>(cd);
     for (int i = lane; i < SIZE; i += 32) wpad[i] = 0.f;
 
     // (the plan keeps the call's chunks below 2^31)
