@@ -86,8 +86,9 @@ MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 # 8-byte boundaries): chunks of MMA_TIME_CHUNK = (groups of 256 positions, warps a block), one
 # wave of warps, each a run of the call's chunks in channel-major order. Against bwd_mma, width
 # 16: (8, 5120, 2048) 2.26 -> 2.40 TB/s, (64, 1024, 512) 1.55 -> 2.12, (1, 4096, 16384) level;
-# width 31 1.76 -> 1.82. Chunks of 1024 ran level on long rows, half as fast on rows of 512
-# (benchmarks/NOTES.md, "bwd_mma_time: the backward's chunk in registers").
+# width 31 1.76 -> 1.84 (KS 3 with its carried dz in shared memory). Chunks of 1024 ran level on
+# long rows, half as fast on rows of 512 (benchmarks/NOTES.md, "bwd_mma_time: the backward's
+# chunk in registers", "bwd_mma_time's carried dz in shared memory").
 MMA_TIME_MAX_STEPS = 3
 MMA_TIME_CHUNK = (2, 4)
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
