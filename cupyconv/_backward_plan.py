@@ -346,10 +346,8 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     x_c = x.strides[1]
     itemsize = ITEMSIZE[x.dtype_name]
     if takes_mma(x, weight_dtype, width, has_seq):
-        if 2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8):
-            chunks = batch * dim * -(-seqlen // (256 * MMA_TIME_CHUNK[0]))  # (32-bit indices)
-            if rows_aligned(dout, 2, 8) and chunks < 2**31:
-                return _plan_mma_time(x, dx, width, states, device)
+        if _takes_mma_time(x, dout, width):
+            return _plan_mma_time(x, dx, width, states, device)
         if mma_steps(width) >= MMA_BLOCK_STEPS:
             return _plan_mma_block(x, dout, dx, width, states, device)
         return _plan_mma(x, dout, dx, width, states, device)
@@ -467,6 +465,17 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
         **_mma_layout(span, steps), stage_at=0,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _takes_mma_time(x: Array, dout: Array, width: int) -> bool:
+    """Whether bwd_mma_time serves a call bwd_mma would: up to MMA_TIME_MAX_STEPS k-steps, x
+    and dout rows on 8-byte boundaries, fewer than 2^31 chunks (its indices are 32-bit)."""
+    batch, dim, seqlen = x.shape
+    chunks = batch * dim * -(-seqlen // (256 * MMA_TIME_CHUNK[0]))
+    return (
+        2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8)
+        and rows_aligned(dout, 2, 8) and chunks < 2**31
+    )  # fmt: skip
 
 
 def _plan_mma_time(x, dx, width, states, device) -> BackwardPlan:

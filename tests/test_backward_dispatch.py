@@ -400,6 +400,10 @@ def test_time_tensor_core_plan(monkeypatch):
             assert (main.grid - 1) * warps * per < items <= main.grid * warps * per, where
             assert f["dx_aligned"] == (dx_ptr % 8 == 0), where
             assert plan.n_parts == 3 * per_row, where
+    # dout's rows off the 8-byte boundary (x's on it): bwd_mma
+    x, dout = bf16_rows(3, 40, 2048, ptr=base), bf16_rows(3, 40, 2048, ptr=base + 2)
+    plan = bp.plan_backward(x, dout, x, 16, False, False, "bfloat16", 0)
+    assert plan.launches[0].name.startswith("bwd_mma<")
     # 2^31 chunks or more (its indices are 32-bit): bwd_mma
     x = bf16_rows(2**20, 2**10, span * 2, ptr=base)
     plan = bp.plan_backward(x, x, x, 16, False, False, "bfloat16", 0)
