@@ -467,25 +467,29 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
 
+def _mma_time_chunks(x: Array) -> tuple[int, int]:
+    """bwd_mma_time's chunks (MMA_TIME_CHUNK groups of 256 positions) of a row, and of the call."""
+    batch, dim, seqlen = x.shape
+    per_row = -(-seqlen // (256 * MMA_TIME_CHUNK[0]))
+    return per_row, batch * dim * per_row
+
+
 def _takes_mma_time(x: Array, dout: Array, width: int) -> bool:
     """Whether bwd_mma_time serves a call bwd_mma would: up to MMA_TIME_MAX_STEPS k-steps, x
     and dout rows on 8-byte boundaries, fewer than 2^31 chunks (its indices are 32-bit)."""
-    batch, dim, seqlen = x.shape
-    chunks = batch * dim * -(-seqlen // (256 * MMA_TIME_CHUNK[0]))
     return (
         2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8)
-        and rows_aligned(dout, 2, 8) and chunks < 2**31
+        and rows_aligned(dout, 2, 8) and _mma_time_chunks(x)[1] < 2**31
     )  # fmt: skip
 
 
 def _plan_mma_time(x, dx, width, states, device) -> BackwardPlan:
     """One wave of bwd_mma_time warps (MMA_TIME_CHUNK), each a run of ``per`` chunks of
     the call's in channel-major order (a part of the partials a chunk)."""
-    batch, dim, seqlen = x.shape
-    groups, warps = MMA_TIME_CHUNK
+    batch = x.shape[0]
+    warps = MMA_TIME_CHUNK[1]
     name = _mma_time_name(width)
-    per_row = -(-seqlen // (256 * groups))
-    items = dim * batch * per_row
+    per_row, items = _mma_time_chunks(x)
     slots = resident_blocks(device, MMA_TIME.source, name, 32 * warps, 0) * warps
     per = -(-items // slots)
     launch = MMA_TIME.launch(
