@@ -48,7 +48,9 @@ CONSTANTS = {
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d a warp holds (its k-steps)
     "BWD_MMA_BLOCK_WARPS": 4,  # bwd_mma_block: warps a block, a span each, sharing a channel
-    "MMA_TIME_WARPS_PER_SM": 12,  # bwd_mma_time: the register budget's occupancy target
+    "MMA_TIME_WARPS_PER_SM": 12,  # bwd_mma_time at 2 k-steps: the register budget's occupancy
+    "MMA_TIME_WIDE_WARPS_PER_SM": 8,  # bwd_mma_time at 3 k-steps: the same
+    "MMA_TIME_STAGES": 3,  # bwd_mma_time: a warp's staged chunks (the one computed, those ahead)
     "WIDE_THREADS": 256,  # bwd_wide: threads a block, 16 a channel
     "WIDE_CHANNELS": 16,  # bwd_wide: channels a block
     "WIDE_BLOCKS": 2,  # bwd_wide: blocks an SM its register budget is set for (float64: 1)
@@ -84,13 +86,13 @@ MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH, MMA_SHORT_ROW, MMA_SPAN = 12, 16, 512, 1024
 MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
 # bwd_mma_time (bwd_mma's calls up to MMA_TIME_MAX_STEPS k-steps whose x and dout rows start on
 # 8-byte boundaries): chunks of MMA_TIME_CHUNK = (groups of 256 positions, warps a block), one
-# wave of warps, each a run of the call's chunks in channel-major order. Against bwd_mma, width
-# 16: (8, 5120, 2048) 2.26 -> 2.40 TB/s, (64, 1024, 512) 1.55 -> 2.12, (1, 4096, 16384) level;
-# width 31 1.76 -> 1.84 (KS 3 with its carried dz in shared memory). Chunks of 1024 ran level on
-# long rows, half as fast on rows of 512 (benchmarks/NOTES.md, "bwd_mma_time: the backward's
-# chunk in registers", "bwd_mma_time's carried dz in shared memory").
+# wave of warps, each a run of the call's chunks in channel-major order; at 3 k-steps, rows made
+# of whole chunks of MMA_TIME_LONG_CHUNK take those (8 warps an SM: 255 registers, no spills).
+# Width 16 (8, 5120, 2048) 2.40 -> 2.55 TB/s with the chunks staged by cp.async, width 31 1.83 ->
+# 2.07 in the long chunks (benchmarks/NOTES.md, "bwd_mma_time's chunks staged by cp.async";
+# before: "bwd_mma_time: the backward's chunk in registers").
 MMA_TIME_MAX_STEPS = 3
-MMA_TIME_CHUNK = (2, 4)
+MMA_TIME_CHUNK, MMA_TIME_LONG_CHUNK = (2, 4), (4, 2)
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
 # 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
@@ -260,8 +262,8 @@ def _time_rows(x: Array) -> bool:
     return x_l == 1 or (x.shape[2] == 1 and x_c != 1)
 
 
-def _mma_time_name(width: int) -> str:
-    groups, warps = MMA_TIME_CHUNK
+def _mma_time_name(width: int, chunk: tuple[int, int]) -> str:
+    groups, warps = chunk
     return f"bwd_mma_time<{C_TYPES['bfloat16']}, {mma_steps(width)}, {groups}, {warps}>"
 
 
@@ -307,7 +309,9 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
                 if mma_steps(w) <= MMA_TIME_MAX_STEPS:
-                    found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w))
+                    long = (MMA_TIME_LONG_CHUNK,) if mma_steps(w) >= 3 else ()
+                    for chunk in (MMA_TIME_CHUNK, *long):
+                        found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w, chunk))
             if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
                 found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
     return {source: sorted(names) for source, names in found.items()}
@@ -467,10 +471,20 @@ def _plan_mma(x, dout, dx, width, states, device) -> BackwardPlan:
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
 
 
-def _mma_time_chunks(x: Array) -> tuple[int, int]:
-    """bwd_mma_time's chunks (MMA_TIME_CHUNK groups of 256 positions) of a row, and of the call."""
+def _mma_time_chunk(x: Array, width: int) -> tuple[int, int]:
+    """bwd_mma_time's chunk (groups of 256 positions, warps a block) for x at ``width``:
+    MMA_TIME_LONG_CHUNK at 3 k-steps where the rows are made of whole long chunks, else
+    MMA_TIME_CHUNK."""
+    long = MMA_TIME_LONG_CHUNK
+    if mma_steps(width) >= 3 and x.shape[2] % (256 * long[0]) == 0:
+        return long
+    return MMA_TIME_CHUNK
+
+
+def _mma_time_chunks(x: Array, chunk: tuple[int, int]) -> tuple[int, int]:
+    """bwd_mma_time's chunks (``chunk``) of a row, and of the call."""
     batch, dim, seqlen = x.shape
-    per_row = -(-seqlen // (256 * MMA_TIME_CHUNK[0]))
+    per_row = -(-seqlen // (256 * chunk[0]))
     return per_row, batch * dim * per_row
 
 
@@ -479,17 +493,18 @@ def _takes_mma_time(x: Array, dout: Array, width: int) -> bool:
     and dout rows on 8-byte boundaries, fewer than 2^31 chunks (its indices are 32-bit)."""
     return (
         2 <= mma_steps(width) <= MMA_TIME_MAX_STEPS and rows_aligned(x, 2, 8)
-        and rows_aligned(dout, 2, 8) and _mma_time_chunks(x)[1] < 2**31
+        and rows_aligned(dout, 2, 8) and _mma_time_chunks(x, _mma_time_chunk(x, width))[1] < 2**31
     )  # fmt: skip
 
 
 def _plan_mma_time(x, dx, width, states, device) -> BackwardPlan:
-    """One wave of bwd_mma_time warps (MMA_TIME_CHUNK), each a run of ``per`` chunks of
+    """One wave of bwd_mma_time warps (``_mma_time_chunk``), each a run of ``per`` chunks of
     the call's in channel-major order (a part of the partials a chunk)."""
     batch = x.shape[0]
-    warps = MMA_TIME_CHUNK[1]
-    name = _mma_time_name(width)
-    per_row, items = _mma_time_chunks(x)
+    chunk = _mma_time_chunk(x, width)
+    warps = chunk[1]
+    name = _mma_time_name(width, chunk)
+    per_row, items = _mma_time_chunks(x, chunk)
     slots = resident_blocks(device, MMA_TIME.source, name, 32 * warps, 0) * warps
     per = -(-items // slots)
     launch = MMA_TIME.launch(

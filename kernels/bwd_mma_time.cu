@@ -5,12 +5,15 @@
 //   bwd_mma_time<T, KS, NV, WARPS>
 //       widths K with K - 1 <= D = 16 (KS - 1). Rows are cut into chunks of NV groups of 256
 //       positions; warp w takes a run of p.per chunks in channel-major order (a row's chunks
-//       first to last, then the channel's next batch row), WARPS warps a block, one wave. A
-//       chunk is held in registers: lane (g, tg) = (lane / 4, lane % 4) holds positions 16 g +
-//       4 tg .. + 3 ("row 0") and 128 on ("row 1") of every group of x and dout (one 8-byte load
-//       a row: a warp's load is 256 contiguous bytes), and of x's group before the chunk. Each
-//       register is loaded with the next chunk's as soon as it is read for the last time, so
-//       that a chunk's loads are in flight while the one before computes.
+//       first to last, then the channel's next batch row), WARPS warps a block, one wave of
+//       mma_time_warps_per_sm(KS) warps an SM. A chunk is held in registers: lane (g, tg) =
+//       (lane / 4, lane % 4) holds positions 16 g + 4 tg .. + 3 ("row 0") and 128 on ("row 1") of
+//       every group of x and dout (8 bytes a row: a warp's row is 256 contiguous bytes), and of
+//       x's group before the chunk. The run's next MMA_TIME_STAGES - 1 chunks are in flight
+//       meanwhile: each lane copies its own 8-byte pieces of them by cp.async into the warp's
+//       shared memory and reads them back at the chunk's start (no barrier: no lane reads
+//       another's). Chunks that need checks (the run's first, one the row ends in, a row's
+//       first with states) are loaded directly.
 //
 // The MMAs (m16n8k16, float32 accumulators) take a group's 16 blocks of 16 positions as the
 // rows of A, whose k is a block's 16 positions (k = 2 tg, 2 tg + 1 <-> positions 4 tg, 4 tg + 1
@@ -109,15 +112,14 @@ __device__ __forceinline__ void st_global8(void* at, unsigned lo, unsigned hi, b
                  "r"(hi), "r"((int)on)
                  : "memory");
 }
-// v = the 8 bytes at `at` (read-only for the kernel's life), where `on` (no branch).
-__device__ __forceinline__ void ld_global8_if(uint2& v, const void* at, bool on) {
-    asm("{ .reg .pred p; setp.ne.b32 p, %3, 0; @p ld.global.nc.v2.u32 {%0, %1}, [%2]; }\n"
-        : "+r"(v.x), "+r"(v.y)
-        : "l"(at), "r"((int)on));
+// The warps an SM bwd_mma_time's register budget is set for, by k-steps (benchmarks/NOTES.md,
+// "bwd_mma_time's chunks staged by cp.async").
+__host__ __device__ constexpr int mma_time_warps_per_sm(int KS) {
+    return KS <= 2 ? MMA_TIME_WARPS_PER_SM : MMA_TIME_WIDE_WARPS_PER_SM;
 }
 
 template <typename T, int KS, int NV, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
+__global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
     bwd_mma_time(BWD_ARRAYS, const __grid_constant__ BwdMmaTimeParams p) {
     wait_for_previous_kernel();
     static_assert(same_type<T, __nv_bfloat16>, "bwd_mma_time takes bfloat16 x");
@@ -147,6 +149,11 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
     // exact path, which sums into cd, drops them (carried = false).
     constexpr bool CARRY_SHARED = KS >= 3;
     uint2 (&carry)[4][32] = *reinterpret_cast<uint2(*)[4][32]>(cd);
+    // The staged chunks, buffer q % STAGES for the run's chunk q, a lane's 8-byte pieces at slot
+    // 0 (x's group -1, row 1), 1 + 2 j + r (x's group j, row r), 1 + 2 NV + 2 j + r (dout's).
+    constexpr int STAGES = MMA_TIME_STAGES, SLOTS = 4 * NV + 1;
+    __shared__ uint2 stage_mem[WARPS][STAGES][SLOTS][32];
+    uint2 (&stage)[STAGES][SLOTS][32] = stage_mem[threadIdx.x / 32];
     for (int i = lane; i < SIZE; i += 32) wpad[i] = 0.f;
 
     // (the plan keeps the call's chunks below 2^31)
@@ -286,18 +293,64 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
         cur.b = first / per_row % batch;
         cur.c = first / per_row / batch;
         int chan_first = first;  // the run's first chunk of the channel at hand
+        // The run's chunk ahead_q and where it lies (ahead_c): the next one to stage.
+        int ahead_q = first + 1;
+        Chunk ahead_c;
+        ahead_c.chunk = ahead_q % per_row;
+        ahead_c.b = ahead_q / per_row % batch;
+        ahead_c.c = ahead_q / per_row / batch;
+        unsigned staged = 0;  // bit q % STAGES: the run's chunk q is staged
+        // Stages chunk ahead_q where it needs no checks (a whole chunk; the group before it in
+        // the row, or zeros before the row without states), one cp.async group a chunk (empty
+        // otherwise), then steps the cursor.
+        auto stage_next = [&]() {
+            const Chunk& q = ahead_c;
+            const bool ok = ahead_q < end && (int64)q.chunk * SPAN + SPAN <= seqlen && (q.chunk > 0 || !initial_states);
+            const int slot = ahead_q % STAGES;
+            staged = ok ? staged | 1u << slot : staged & ~(1u << slot);
+            if (ok) {
+                const Src s = src_of(q);
+                uint2 (&buf)[SLOTS][32] = stage[slot];
+                cp_async<8>(&buf[0][lane], q.chunk > 0 ? s.x - 128 : x, q.chunk > 0 ? 8 : 0);
+                #pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    #pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        cp_async<8>(&buf[1 + 2 * j + r][lane], s.x + 256 * j + 128 * r, 8);
+                        cp_async<8>(&buf[1 + 2 * NV + 2 * j + r][lane], s.d + 256 * j + 128 * r, 8);
+                    }
+                }
+            }
+            cp_async_commit();
+            ++ahead_q;
+            if (++ahead_c.chunk == per_row) {
+                ahead_c.chunk = 0;
+                if (++ahead_c.b == batch) ahead_c.b = 0, ++ahead_c.c;
+            }
+        };
+        #pragma unroll 1
+        for (int k = 0; k < STAGES - 2; ++k) stage_next();
         // x of groups -1 .. NV - 1 (xv[j + 1]) and dout of groups 0 .. NV - 1, rows 0 and 1, of
-        // the chunk at hand; each slot is loaded with the next chunk's as soon as it is read for
-        // the last time, so that a chunk's loads are in flight while the chunk before computes.
+        // the chunk at hand.
         uint2 xv[NV + 1][2], dv[NV][2];
         uint2 ch[2] = {}, cl[2] = {};  // dz's halves of the chunk before's last group (carried)
         bool carried = false;  // the chunk before is this row's, its last group's dx left to this one
-        bool fetched = false;  // xv and dv hold the chunk's (loaded during the chunk before)
         for (int i = first; i < end; ++i) {
             const int64 start = (int64)cur.chunk * SPAN;
             const int n = (int)min(seqlen - start, (int64)SPAN);  // positions of the chunk in the row
-            if (!fetched) {  // (checked loads: the run's first chunk, a chunk the row ends in, a
-                             // row's first chunk with states)
+            stage_next();  // (chunk i + STAGES - 1)
+            if (staged >> (i % STAGES) & 1) {
+                cp_async_wait<STAGES - 1>();  // this lane's copies of chunk i have landed
+                const uint2 (&buf)[SLOTS][32] = stage[i % STAGES];
+                xv[0][0] = make_uint2(0u, 0u);
+                xv[0][1] = buf[0][lane];
+                #pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    #pragma unroll
+                    for (int r = 0; r < 2; ++r) xv[j + 1][r] = buf[1 + 2 * j + r][lane], dv[j][r] = buf[1 + 2 * NV + 2 * j + r][lane];
+                }
+            } else {  // (checked loads: the run's first chunk, a chunk the row ends in, a
+                      // row's first chunk with states)
                 const Src s = src_of(cur);
                 #pragma unroll
                 for (int j = -1; j < NV; ++j) {
@@ -316,13 +369,6 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
                 if (++nxt.b == batch) nxt.b = 0, ++nxt.c;
             }
             const bool more = i + 1 < end, follows = more && nxt.chunk > 0;  // nxt: this row's next chunk
-            // The next chunk's loads, issued while this one computes where they need no checks (a
-            // whole chunk; the group before it in the row, or zeros before the row).
-            const bool early = more && (int64)nxt.chunk * SPAN + SPAN <= seqlen && (follows || !initial_states);
-            const int64 next_at = (int64)nxt.chunk * SPAN + 16 * g + 4 * tg;
-            const uint2* const nx = reinterpret_cast<const uint2*>(x + nxt.b * p.x_batch_stride + nxt.c * p.x_c_stride + next_at);
-            const uint2* const nd = reinterpret_cast<const uint2*>(dout + nxt.b * p.dout_batch_stride + nxt.c * p.dout_c_stride + next_at);
-            fetched = early;
             const int c = cur.c;
             if (c != channel) {  // the channel's bands
                 channel = c;
@@ -394,18 +440,9 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
                 uint2 dzh[NV][2], dzl[NV][2];
                 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
-                    // 1, 2. z and dz; the slots read for the last time take the next chunk's
+                    // 1, 2. z and dz
                     unsigned t[KS][4];
                     sums += z_dz(silu_flag, Flag<true>(), xv[j], xv[j + 1], dv[j], t, dzh[j], dzl[j], terms);
-                    if (j > 0) {
-                        ld_global8_if(xv[j][0], nx + 64 * (j - 1), early);
-                        ld_global8_if(xv[j][1], nx + 64 * (j - 1) + 32, early);
-                    } else {  // (zeros before the row)
-                        xv[0][1] = make_uint2(0u, 0u);
-                        ld_global8_if(xv[0][1], nx - 32, early && follows);
-                    }
-                    ld_global8_if(dv[j][0], nd + 64 * j, early);
-                    ld_global8_if(dv[j][1], nd + 64 * j + 32, early);
                     // 3. dx of the group before (of the chunk before's last where it was left here:
                     // computed always, stored where so)
                     if (j > 0) dx_group(whole_flag, dzh[j - 1], dzl[j - 1], dzh[j], dzl[j], 256 * (j - 1));
@@ -461,8 +498,6 @@ __global__ void __launch_bounds__(32 * WARPS, MMA_TIME_WARPS_PER_SM / WARPS)
             } else {
                 sums = silu_act ? groups(Flag<true>(), Flag<false>()) : groups(Flag<false>(), Flag<false>());
             }
-            ld_global8_if(xv[NV][0], nx + 64 * (NV - 1), early);
-            ld_global8_if(xv[NV][1], nx + 64 * (NV - 1) + 32, early);
             db += terms;
             if (__any_sync(0xffffffffu, !isfinite(sums))) {
                 // The exact path: the chunk's dx (and the chunk before's last group's, left to

@@ -51,11 +51,12 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Compiled for 5 blocks an SM at KS 2 (96 registers a thread, nothing spilled in the step loop)
-// and 4 from KS 3 (128; at 96 KS 3 spills there and runs slower; at KS 4 / 5 the shared memory
-// leaves 3 / 2 blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl".
+// Register budgets: at KS 2 that of 6 blocks an SM (80 registers, nothing spilled; the shared
+// memory holds 5 blocks, and the budget of 5, 96 registers, spills: 1-2 % slower), from KS 3 that
+// of 4 (128; at 96 KS 3 spills and runs slower; at KS 4 / 5 the shared memory leaves 3 / 2
+// blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 5 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;

@@ -369,17 +369,17 @@ def test_tensor_core_plan_fits_the_device(monkeypatch, limit):
 
 def test_time_tensor_core_plan(monkeypatch):
     """bwd_mma_time for bwd_mma's calls of up to MMA_TIME_MAX_STEPS k-steps whose x and dout
-    rows start on 8-byte boundaries: chunks of MMA_TIME_CHUNK, one wave of warps, each a run of
-    ``per`` chunks that together cover the call, a part of the partials a chunk; bwd_mma for
-    the others."""
+    rows start on 8-byte boundaries: chunks of MMA_TIME_CHUNK (at 3 k-steps MMA_TIME_LONG_CHUNK
+    where the rows are whole long chunks), one wave of warps, each a run of ``per`` chunks that
+    together cover the call, a part of the partials a chunk; bwd_mma for the others."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
     resident = 132 * 3
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: resident)
-    groups, warps = _backward_plan.MMA_TIME_CHUNK
-    span, bp, base = 256 * groups, _backward_plan, 1 << 40
+    bp, base = _backward_plan, 1 << 40
+    assert bp.MMA_TIME_LONG_CHUNK[0] == 4 and bp.MMA_TIME_CHUNK[0] == 2
     for seqlen, ptr, dx_ptr in itertools.product(
-        (300, 512, 700, 2048, 5000), (base, base + 8, base + 2), (base, base + 4)
+        (300, 512, 700, 1024, 2048, 3072, 5000), (base, base + 8, base + 2), (base, base + 4)
     ):
         first = bp.MMA_SHORT_MIN_WIDTH if seqlen <= bp.MMA_SHORT_ROW else bp.MMA_MIN_WIDTH
         for width in range(first, 66):
@@ -391,9 +391,11 @@ def test_time_tensor_core_plan(monkeypatch):
             if steps > bp.MMA_TIME_MAX_STEPS or ptr % 8:
                 assert main.name.startswith("bwd_mma<"), where
                 continue
+            long = steps == 3 and seqlen % 1024 == 0
+            groups, warps = bp.MMA_TIME_LONG_CHUNK if long else bp.MMA_TIME_CHUNK
             assert main.name == f"bwd_mma_time<__nv_bfloat16, {steps}, {groups}, {warps}>"
             f = dict(zip(bp.MMA_TIME.plan_fields, main.plan_fields, strict=True))
-            per_row = -(-seqlen // span)
+            per_row = -(-seqlen // (256 * groups))
             items, per = 40 * 3 * per_row, f["per"]
             assert main.block == (32 * warps, 1) and main.smem == 0, where
             assert per == -(-items // (resident * warps)), where
@@ -405,7 +407,7 @@ def test_time_tensor_core_plan(monkeypatch):
     plan = bp.plan_backward(x, dout, x, 16, False, False, "bfloat16", 0)
     assert plan.launches[0].name.startswith("bwd_mma<")
     # 2^31 chunks or more (its indices are 32-bit): bwd_mma
-    x = bf16_rows(2**20, 2**10, span * 2, ptr=base)
+    x = bf16_rows(2**20, 2**10, 256 * bp.MMA_TIME_CHUNK[0] * 2, ptr=base)
     plan = bp.plan_backward(x, x, x, 16, False, False, "bfloat16", 0)
     assert plan.launches[0].name.startswith("bwd_mma<")
 

@@ -445,6 +445,25 @@ def test_time_tensor_core_widths(time_cores, width, layout):
     run_bwd(2, 37, seqlen, width, "bfloat16", layout=layout, seed=width)
 
 
+@pytest.mark.parametrize("layout", ("cf", "cf_slice"))
+@pytest.mark.parametrize("seqlen", (1024, 2048))
+@pytest.mark.parametrize("width", (18, 24, 33))
+def test_time_tensor_core_long_chunks(time_cores, monkeypatch, width, seqlen, layout):
+    """At 3 k-steps, rows made of whole MMA_TIME_LONG_CHUNK chunks take them: a run of chunks a
+    warp, then (two blocks in all) runs of many chunks over channels and batch rows, the first
+    of a row with initial states."""
+    from cupyconv import _backward_plan
+
+    run_bwd(2, 37, seqlen, width, "bfloat16", layout=layout, seed=width)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: 1)
+    _backward_plan._plans.clear()
+    run_bwd(3, 9, seqlen, width, "bfloat16", layout=layout, init=True, dfinal=True, seed=seqlen)
+    (plan,) = _backward_plan._plans.values()
+    groups, warps = _backward_plan.MMA_TIME_LONG_CHUNK
+    assert plan.launches[0].name == f"bwd_mma_time<__nv_bfloat16, 3, {groups}, {warps}>"
+    assert plan.n_parts == 3 * (seqlen // (256 * groups))
+
+
 @pytest.mark.parametrize(
     "features", ["nobias-nosilu", "nosilu", "init", "dfinal", "init-dfinal", "buffers"]
 )
@@ -475,7 +494,7 @@ def test_time_tensor_core_runs(time_cores, monkeypatch, width):
     (plan,) = _backward_plan._plans.values()
     main = plan.launches[0]
     f = dict(zip(_backward_plan.MMA_TIME.plan_fields, main.plan_fields, strict=True))
-    groups, warps = _backward_plan.MMA_TIME_CHUNK
+    groups, warps = _backward_plan.MMA_TIME_CHUNK  # (rows of 1300: not whole long chunks)
     per_row = -(-1300 // (256 * groups))
     assert main.name.startswith("bwd_mma_time<") and plan.n_parts == 3 * per_row
     assert f["per"] == -(-20 * 3 * per_row // (2 * warps)) and main.grid <= 2
