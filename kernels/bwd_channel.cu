@@ -22,7 +22,7 @@
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES / sizeof(T)) / WARPS)
+__global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES / sizeof(T), K) / WARPS)
     bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
     wait_for_previous_kernel();
     using A = typename AccOf<T>::type;

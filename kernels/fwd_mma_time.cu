@@ -29,9 +29,10 @@
 #include "mma_common.cuh"
 
 // Warps per SM that fwd_mma_time's register budget (__launch_bounds__) is set for: the chunk
-// takes 2 (NV + HL) registers, the A fragments 4 KS.
+// takes 2 (NV + HL) registers, the A fragments 4 KS (at 28 warps, KS 2 in chunks of 16 spilled
+// 68 bytes and ran 5 % slower: benchmarks/NOTES.md, "Register budgets under NVRTC 13").
 __host__ __device__ constexpr int mma_time_warps_per_sm(int KS, int NV) {
-    return NV <= 4 ? 32 : NV >= 16 && KS <= 2 ? 28 : 24;
+    return NV <= 4 ? 32 : 24;
 }
 
 // Element e of the four 16-bit inputs in w, set to v.

@@ -18,10 +18,11 @@
 #include "fwd_common.cuh"
 
 // Warps per SM that fwd_time's register budget (__launch_bounds__) is set for: short chunks
-// held in registers need more warps in flight; seq_idx and float64 need more registers per
-// thread (benchmarks/NOTES.md, "Occupancy and tile sizes": fwd_time).
+// held in registers need more warps in flight; seq_idx, float64 and widths from 8 in chunks of
+// 8 vectors or more need more registers per thread (benchmarks/NOTES.md, "Occupancy and tile
+// sizes": fwd_time; "Register budgets under NVRTC 13").
 __host__ __device__ constexpr int time_warps_per_sm(int K, bool SEQ, int NV, int bytes) {
-    return bytes == 8 ? 16 : SEQ ? 20 : NV <= 2 && K - 1 <= 16 / bytes ? 40 : 28;
+    return bytes == 8 ? 16 : SEQ ? 20 : NV <= 2 && K - 1 <= 16 / bytes ? 40 : NV >= 8 && K >= 8 ? 24 : 28;
 }
 
 template <typename T, int K, bool SEQ, int NV, int WARPS>
