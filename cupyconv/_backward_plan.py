@@ -48,8 +48,8 @@ CONSTANTS = {
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d a warp holds (its k-steps)
     "BWD_MMA_BLOCK_WARPS": 4,  # bwd_mma_block: warps a block, a span each, sharing a channel
-    "MMA_TIME_WARPS_PER_SM": 12,  # bwd_mma_time at 2 k-steps: the register budget's occupancy
-    "MMA_TIME_WIDE_WARPS_PER_SM": 8,  # bwd_mma_time at 3 k-steps: the same
+    "MMA_TIME_WARPS_PER_SM": 12,  # bwd_mma_time, 2 k-steps: its register budget's warps an SM
+    "MMA_TIME_WIDE_WARPS_PER_SM": 8,  # bwd_mma_time, 3 k-steps: the same
     "MMA_TIME_STAGES": 3,  # bwd_mma_time: a warp's staged chunks (the one computed, those ahead)
     "WIDE_THREADS": 256,  # bwd_wide: threads a block, 16 a channel
     "WIDE_CHANNELS": 16,  # bwd_wide: channels a block
