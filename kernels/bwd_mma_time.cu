@@ -11,9 +11,9 @@
 //       every group of x and dout (8 bytes a row: a warp's row is 256 contiguous bytes), and of
 //       x's group before the chunk. The run's next MMA_TIME_STAGES - 1 chunks are in flight
 //       meanwhile: each lane copies its own 8-byte pieces of them by cp.async into the warp's
-//       shared memory and reads them back at the chunk's start (no barrier: no lane reads
-//       another's). Chunks that need checks (the run's first, one the row ends in, a row's
-//       first with states) are loaded directly.
+//       shared memory (zeros past the row) and reads them back at the chunk's start (no
+//       barrier: no lane reads another's). The run's first chunk and a row's first with
+//       states are loaded directly.
 //
 // The MMAs (m16n8k16, float32 accumulators) take a group's 16 blocks of 16 positions as the
 // rows of A, whose k is a block's 16 positions (k = 2 tg, 2 tg + 1 <-> positions 4 tg, 4 tg + 1
@@ -300,24 +300,35 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
         ahead_c.b = ahead_q / per_row % batch;
         ahead_c.c = ahead_q / per_row / batch;
         unsigned staged = 0;  // bit q % STAGES: the run's chunk q is staged
-        // Stages chunk ahead_q where it needs no checks (a whole chunk; the group before it in
-        // the row, or zeros before the row without states), one cp.async group a chunk (empty
-        // otherwise), then steps the cursor.
+        // Stages chunk ahead_q unless it is a row's first with states (whose group before comes
+        // from them): the group before it in the row, or zeros before the row; in a chunk the
+        // row ends in, each piece's bytes in the row and zeros past it. One cp.async group a
+        // chunk (empty for one not staged), then steps the cursor.
         auto stage_next = [&]() {
             const Chunk& q = ahead_c;
-            const bool ok = ahead_q < end && (int64)q.chunk * SPAN + SPAN <= seqlen && (q.chunk > 0 || !initial_states);
+            const bool ok = ahead_q < end && (q.chunk > 0 || !initial_states);
             const int slot = ahead_q % STAGES;
             staged = ok ? staged | 1u << slot : staged & ~(1u << slot);
             if (ok) {
                 const Src s = src_of(q);
                 uint2 (&buf)[SLOTS][32] = stage[slot];
                 cp_async<8>(&buf[0][lane], q.chunk > 0 ? s.x - 128 : x, q.chunk > 0 ? 8 : 0);
-                #pragma unroll
-                for (int j = 0; j < NV; ++j) {
+                if (s.whole) {
                     #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        cp_async<8>(&buf[1 + 2 * j + r][lane], s.x + 256 * j + 128 * r, 8);
-                        cp_async<8>(&buf[1 + 2 * NV + 2 * j + r][lane], s.d + 256 * j + 128 * r, 8);
+                    for (int j = 0; j < NV; ++j) {
+                        #pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            cp_async<8>(&buf[1 + 2 * j + r][lane], s.x + 256 * j + 128 * r, 8);
+                            cp_async<8>(&buf[1 + 2 * NV + 2 * j + r][lane], s.d + 256 * j + 128 * r, 8);
+                        }
+                    }
+                } else {
+                    #pragma unroll 1
+                    for (int k = 0; k < 2 * NV; ++k) {  // (piece k: group k / 2, row k % 2)
+                        const int64 in_row = seqlen - (s.at + 128 * k);  // positions from the piece on
+                        const int bytes = in_row >= 4 ? 8 : in_row > 0 ? 2 * (int)in_row : 0;
+                        cp_async<8>(&buf[1 + k][lane], bytes ? s.x + 128 * k : x, bytes);
+                        cp_async<8>(&buf[1 + 2 * NV + k][lane], bytes ? s.d + 128 * k : dout, bytes);
                     }
                 }
             }
@@ -349,8 +360,7 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
                     #pragma unroll
                     for (int r = 0; r < 2; ++r) xv[j + 1][r] = buf[1 + 2 * j + r][lane], dv[j][r] = buf[1 + 2 * NV + 2 * j + r][lane];
                 }
-            } else {  // (checked loads: the run's first chunk, a chunk the row ends in, a
-                      // row's first chunk with states)
+            } else {  // (checked loads: the run's first chunk, a row's first chunk with states)
                 const Src s = src_of(cur);
                 #pragma unroll
                 for (int j = -1; j < NV; ++j) {
