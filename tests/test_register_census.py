@@ -3,12 +3,14 @@ one real offline compile (NVRTC, no GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "register_census.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import register_census as census  # noqa: E402 (after the path set-up above)
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_Z3fooIfEvv' for 'sm_90'
@@ -22,19 +24,11 @@ ptxas info    : Used 128 registers, used 1 barriers, 24576 bytes smem
 """
 
 
-@pytest.fixture
-def census():
-    spec = importlib.util.spec_from_file_location("register_census", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_parse_log(census):
+def test_parse_log():
     assert census.parse_log(LOG) == [("_Z3fooIfEvv", 80, 68, 168), ("_Z3barIfEvv", 128, 0, 0)]
 
 
-def test_jobs_leave_seq_instances_out_unless_asked(census):
+def test_jobs_leave_seq_instances_out_unless_asked():
     without = census.jobs(("bfloat16",), (4,), False, "sm_90")
     with_seq = census.jobs(("bfloat16",), (4,), True, "sm_90")
     names = [n for _, ns, _ in without for n in ns]
@@ -43,7 +37,7 @@ def test_jobs_leave_seq_instances_out_unless_asked(census):
     assert any(", true" in n for n in seq_names) and set(names) < set(seq_names)
 
 
-def test_census_of_a_real_compile(census):
+def test_census_of_a_real_compile():
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings wheel")
     pytest.importorskip("cuda.pathfinder", reason="needs the cuda-pathfinder wheel")
     (job,) = [
