@@ -6,8 +6,9 @@
 Compiles every forward and backward template instance the plans can produce for the given x
 dtypes and widths (``all_forward_instances``, ``all_backward_instances``; with ``--seq`` the
 seq_idx instances too, which take minutes more), each source's instances in one NVRTC program
-with the options CuPy passes and ``-Xptxas=-v``, and prints the instances that spill (``--all``:
-every instance): source, registers, spill stores / loads in bytes, name. A budget that NVRTC
+(``cupyconv._compile.ptxas_report``: the options CuPy passes, and ``-Xptxas=-v``), and prints
+the instances that spill (``--all``: every instance): source, registers, spill stores / loads in
+bytes, name. A budget that NVRTC
 compiles with spills is a register budget to measure again (benchmarks/NOTES.md, "Register
 budgets under NVRTC 13").
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's cupyconv
 
 from cupyconv._backward_plan import all_backward_instances  # noqa: E402
-from cupyconv._compile import CUPY_OPTIONS, OPTIONS  # noqa: E402
+from cupyconv._compile import ptxas_report  # noqa: E402
 from cupyconv._forward_plan import all_forward_instances  # noqa: E402
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)'")
@@ -46,37 +47,9 @@ def parse_log(log: str) -> list[tuple[str, int, int, int]]:
     return found
 
 
-def ptxas_log(source, names: list[str], arch: str) -> str:
-    """The NVRTC log of ``names`` of ``source`` compiled for ``arch`` with -Xptxas=-v."""
-    from cuda.bindings import nvrtc
-    from cuda.pathfinder import find_nvidia_header_directory
-
-    def check(result):
-        err, *rest = result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC call failed: {err}")
-        return rest[0] if len(rest) == 1 else rest
-
-    prog = check(nvrtc.nvrtcCreateProgram(source.text.encode(), source.file.encode(), 0, [], []))
-    try:
-        for name in names:
-            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
-        include = find_nvidia_header_directory("cudart")
-        opts = [*OPTIONS, *CUPY_OPTIONS, f"-arch={arch}", f"--include-path={include}", "-Xptxas=-v"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        log = b" " * check(nvrtc.nvrtcGetProgramLogSize(prog))
-        check(nvrtc.nvrtcGetProgramLog(prog, log))
-        text = log.decode(errors="replace")
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{source.file} failed to compile for {arch}:\n{text}")
-        return text
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
 def _census(job):
     source, names, arch = job
-    return source.file, parse_log(ptxas_log(source, names, arch))
+    return source.file, parse_log(ptxas_report(source, names, arch))
 
 
 def jobs(dtypes, widths, seq: bool, arch: str) -> list[tuple]:

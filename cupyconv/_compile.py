@@ -141,6 +141,19 @@ def compile_offline(source: Source, names, arch: str) -> bytes:
     """Compile instances ``names`` of ``source`` with NVRTC for ``arch`` (``sm_90`` gives a
     cubin, ``compute_90`` PTX) without a GPU, with the options CuPy would pass; return the
     image. Raises RuntimeError with the compiler log on failure."""
+    return _nvrtc(source, names, arch, ())[0]
+
+
+def ptxas_report(source: Source, names, arch: str) -> str:
+    """The compiler log of instances ``names`` of ``source`` compiled offline for ``arch`` (an
+    ``sm_``) as :func:`compile_offline` does, with ``-Xptxas=-v``: each instance's registers,
+    spills and shared memory."""
+    return _nvrtc(source, names, arch, ("-Xptxas=-v",))[1]
+
+
+def _nvrtc(source: Source, names, arch: str, extra: tuple[str, ...]) -> tuple[bytes, str]:
+    """(image, log) of ``names`` of ``source`` compiled by NVRTC for ``arch`` with the options
+    CuPy passes and ``extra``; RuntimeError with the log on failure."""
     from cuda.bindings import nvrtc
     from cuda.pathfinder import find_nvidia_header_directory
 
@@ -156,15 +169,13 @@ def compile_offline(source: Source, names, arch: str) -> bytes:
     try:
         for name in names:
             check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
-        opts = [*OPTIONS, *CUPY_OPTIONS, f"-arch={arch}", f"--include-path={include}"]
+        opts = [*OPTIONS, *CUPY_OPTIONS, f"-arch={arch}", f"--include-path={include}", *extra]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        log = b" " * check(nvrtc.nvrtcGetProgramLogSize(prog))
+        check(nvrtc.nvrtcGetProgramLog(prog, log))
+        log = log.rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            size = check(nvrtc.nvrtcGetProgramLogSize(prog))
-            log = b" " * size
-            check(nvrtc.nvrtcGetProgramLog(prog, log))
-            raise RuntimeError(
-                f"{source.file} failed to compile for {arch}:\n{log.decode(errors='replace')}"
-            )
+            raise RuntimeError(f"{source.file} failed to compile for {arch}:\n{log}")
         if arch.startswith("sm_"):
             size = check(nvrtc.nvrtcGetCUBINSize(prog))
             image = b" " * size
@@ -174,7 +185,7 @@ def compile_offline(source: Source, names, arch: str) -> bytes:
             image = b" " * size
             check(nvrtc.nvrtcGetPTX(prog, image))
             image = image.rstrip(b"\0")
-        return image
+        return image, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

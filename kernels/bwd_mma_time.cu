@@ -286,6 +286,14 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
         return sum + group;
     };
 
+    // The chunk after q in channel-major order (a row's chunks, then the channel's next batch row).
+    auto step = [&](Chunk& q) {
+        if (++q.chunk == per_row) {
+            q.chunk = 0;
+            if (++q.b == batch) q.b = 0, ++q.c;
+        }
+    };
+
     for (int run = (int)grid_warp(); run < (n_items + per - 1) / per; run += (int)grid_warps()) {
         const int first = run * per, end = min(first + per, n_items);
         Chunk cur;
@@ -334,10 +342,7 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
             }
             cp_async_commit();
             ++ahead_q;
-            if (++ahead_c.chunk == per_row) {
-                ahead_c.chunk = 0;
-                if (++ahead_c.b == batch) ahead_c.b = 0, ++ahead_c.c;
-            }
+            step(ahead_c);
         };
         #pragma unroll 1
         for (int k = 0; k < STAGES - 2; ++k) stage_next();
@@ -374,10 +379,7 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
                 }
             }
             Chunk nxt = cur;
-            if (++nxt.chunk == per_row) {
-                nxt.chunk = 0;
-                if (++nxt.b == batch) nxt.b = 0, ++nxt.c;
-            }
+            step(nxt);
             const bool more = i + 1 < end, follows = more && nxt.chunk > 0;  // nxt: this row's next chunk
             const int c = cur.c;
             if (c != channel) {  // the channel's bands

@@ -31,7 +31,7 @@
 // Warps per SM that fwd_mma_time's register budget (__launch_bounds__) is set for: the chunk
 // takes 2 (NV + HL) registers, the A fragments 4 KS (at 28 warps, KS 2 in chunks of 16 spilled
 // 68 bytes and ran 5 % slower: benchmarks/NOTES.md, "Register budgets under NVRTC 13").
-__host__ __device__ constexpr int mma_time_warps_per_sm(int KS, int NV) {
+__host__ __device__ constexpr int mma_time_warps_per_sm(int NV) {
     return NV <= 4 ? 32 : 24;
 }
 
@@ -62,7 +62,7 @@ __device__ __noinline__ void own_outputs(T* orow, int64 start, int n, const floa
 }
 
 template <typename T, int KS, int NV, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS, NV) / WARPS)
+__global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(NV) / WARPS)
     fwd_mma_time(FWD_ARRAYS, const __grid_constant__ FwdMmaTimeParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     using Sizes = ToeplitzTaps<KS>;
