@@ -68,22 +68,23 @@ REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
 # the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
-# backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide:
-# at width 16, 2.8 times bwd_channel's speed in float32, 1.9 times in bfloat16, "bwd_wide";
-# float16 at width 13, (8, 5120, 2048): bwd_channel 0.68 TB/s, bwd_wide 0.54, at 14 0.45 / 0.53,
-# "The tensor-core crossovers again").
+# backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide, or
+# bwd_mma for bfloat16). One channel a lane from CHANNEL_LANE_FROM keeps its rings in registers
+# to width 16: (8, 5120, 2048) widths 12 / 16, TB/s, bfloat16 1.93 / 1.67 against bwd_mma's
+# 1.18 / 1.18, float32 3.36 / 3.15 against 2.45 (two channels a lane) / 1.17 (bwd_wide); level
+# with bwd_mma at 20, slower from 24 (benchmarks/NOTES.md, "bwd_channel one channel a lane").
 CHANNEL_MAX_WIDTH = 16
-CHANNEL_WIDE_FROM = {"float32": 13, "float16": 14, "bfloat16": 13, "float64": 13}
+CHANNEL_WIDE_FROM = {"float32": 17, "float16": 17, "bfloat16": 17, "float64": 13}
+CHANNEL_LANE_FROM = 9
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
 # MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
 # faster at widths 11 / 12, level at 13; on (64, 1024, 512) 32 / 22 / 13 % faster at 12 / 13 /
 # 14, level at 16; 5 % slower at 12 on (1, 4096, 16384): benchmarks/NOTES.md, "The tensor-core
 # crossovers again"), for spans of up to MMA_SPAN positions (a multiple of 256); on
-# channel-contiguous x from MMA_CL_MIN_WIDTH (bwd_channel 1.12 TB/s at width 12 against
-# bwd_mma's 1.19, 1.42 at width 11), spans of up to MMA_CL_SPAN, where a block's shared memory
-# fits the device.
+# channel-contiguous x from MMA_CL_MIN_WIDTH (past bwd_channel's widths), spans of up to
+# MMA_CL_SPAN, where a block's shared memory fits the device.
 MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH, MMA_SHORT_ROW, MMA_SPAN = 12, 16, 512, 1024
-MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 12, 512
+MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 17, 512
 # bwd_mma_time (bwd_mma's calls up to MMA_TIME_MAX_STEPS k-steps whose x and dout rows start on
 # 8-byte boundaries): chunks of MMA_TIME_CHUNK = (groups of 256 positions, warps a block), one
 # wave of warps, each a run of the call's chunks in channel-major order; at 3 k-steps, rows made
@@ -113,10 +114,10 @@ TIME_LONG_CHUNK = (8, 1, 1)
 # summed once a run), as long as the call keeps TIME_MIN_RUNS runs.
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
-# channel vector; tiles staged a warp, two where more would leave a block fewer than 4 warps)
-# by itemsize. 16-bit x: three tiles of 8 steps (two in flight), 1-5 % faster than two of 16 on
-# rows of 2048 steps and more, 1 % slower on rows of 256 to 1024 (benchmarks/NOTES.md,
-# "bwd_channel's staging depth").
+# channel vector, one element from CHANNEL_LANE_FROM; tiles staged a warp, two where more would
+# leave a block fewer than 4 warps) by itemsize. 16-bit x: three tiles of 8 steps (two in
+# flight), 1-5 % faster than two of 16 on rows of 2048 steps and more, 1 % slower on rows of 256
+# to 1024 (benchmarks/NOTES.md, "bwd_channel's staging depth").
 CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
@@ -236,6 +237,8 @@ def _channel_tile(dtype: str, width: int) -> tuple[int, int, int, int]:
     to a multiple of the width), BUFS tiles of x and dout rows staged per warp, and as many warps
     a block as fit CHANNEL_SMEM, at most 4."""
     steps, lane_bytes, bufs = CHANNEL_TILE[ITEMSIZE[dtype]]
+    if width >= CHANNEL_LANE_FROM:
+        lane_bytes = ITEMSIZE[dtype]
     r = -(-steps // width) * width
     tile = 2 * r * 32 * lane_bytes  # a tile's rows of x and dout
     if bufs * tile > CHANNEL_SMEM // 4:
@@ -361,7 +364,7 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
             return plan
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
-    lane_bytes = CHANNEL_TILE[itemsize][1]
+    lane_bytes = _channel_tile(x.dtype_name, width)[1]
     narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < CHANNEL_WIDE_FROM[x.dtype_name])
     if x_c == 1 and narrow and _channel_vectors(x, lane_bytes):
         return _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device)

@@ -5,7 +5,8 @@
 //       a warp owns a strip of 32 lanes x V = BYTES / sizeof(T) channels and a group of
 //       p.group_tiles tiles of R time steps of a batch row, WARPS warps a block, BUFS staged
 //       tiles a warp. R is a multiple of K.
-//       SEQ says whether seq_idx is given.
+//       SEQ says whether seq_idx is given. V = 1 from the plan's CHANNEL_LANE_FROM (one channel
+//       a lane, so that the rings of wider filters stay in registers).
 //
 // The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R rows,
 // staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per lane and row)
@@ -104,19 +105,25 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             }
             const T* src = xb + p0 * x_l_stride;
             const T* d = db + p0 * dout_l_stride;
+            // A lane's own vector (zeros where !in): by cp.async, or (2 bytes, below its smallest
+            // copy) loaded and stored.
+            auto own = [&](Raw* to, const T* from, bool in) {
+                if constexpr (BYTES >= 4) cp_async<BYTES, 128>(to, in ? from : x, in ? BYTES : 0);
+                else *to = in ? *reinterpret_cast<const Raw*>(from) : Raw(0);
+            };
             if (rows == R) {  // the whole tile in the row: no checks
                 #pragma unroll
-                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES, 128>(st + 32 * r, src, BYTES);
+                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, src, true);
                 if (dout_aligned) {
                     #pragma unroll
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES, 128>(st + 32 * (R + r), d, BYTES);
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), d, true);
                 }
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < R; ++r, src += x_l_stride) cp_async<BYTES, 128>(st + 32 * r, r < rows ? src : xb, r < rows ? BYTES : 0);
+                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, src, r < rows);
                 if (dout_aligned) {
                     #pragma unroll 1
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) cp_async<BYTES, 128>(st + 32 * (R + r), r < rows ? d : db, r < rows ? BYTES : 0);
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), d, r < rows);
                 }
             }
             if (!dout_aligned) {

@@ -195,11 +195,14 @@ template <typename A> constexpr bool same_type<A, A> = true;
 template <bool B, typename X, typename Y> struct Select { using type = X; };
 template <typename X, typename Y> struct Select<false, X, Y> { using type = Y; };
 
-// dst[i] = A(src[i]) for N values of T (N even for the half types): bfloat16 pairs are widened
-// with one shift or mask each, float16 pairs with one conversion.
+// dst[i] = A(src[i]) for N values of T: bfloat16 pairs are widened with one shift or mask each,
+// float16 pairs with one conversion (src 4-byte aligned), an odd last value alone.
 template <typename T, typename A, int N>
 __device__ __forceinline__ void widen(const T* src, A* dst) {
-    if constexpr (same_type<T, __nv_bfloat16>) {
+    if constexpr (N % 2 && (same_type<T, __nv_bfloat16> || same_type<T, __half>)) {
+        widen<T, A, N - 1>(src, dst);
+        dst[N - 1] = A(to_acc(src[N - 1]));
+    } else if constexpr (same_type<T, __nv_bfloat16>) {
         #pragma unroll
         for (int i = 0; i < N; i += 2) {
             const unsigned u = *reinterpret_cast<const unsigned*>(src + i);

@@ -85,10 +85,10 @@ def names(record):
         (cf(2, 64, 300), 17, "bwd_wide", "bwd_dz"),  # wider, not bfloat16
         (cl(2, 64, 300), 4, "bwd_channel", "bwd_channel"),
         (cl(2, 64, 300), 12, "bwd_channel", "bwd_channel"),
-        (cl(2, 64, 300), 13, "bwd_wide", "bwd_channel"),  # bwd_wide takes no seq_idx
-        (cl(2, 64, 300), 16, "bwd_wide", "bwd_channel"),
-        (cl(2, 64, 300), 17, "bwd_wide", "bwd_dz"),
+        (cl(2, 64, 300), 16, "bwd_channel", "bwd_channel"),
+        (cl(2, 64, 300), 17, "bwd_wide", "bwd_dz"),  # bwd_wide takes no seq_idx
         (cl(2, 63, 300), 4, "bwd_wide", "bwd_dz"),  # channels do not split into lane vectors
+        (cl(2, 63, 300), 9, "bwd_channel", "bwd_channel"),  # one channel a lane
         (cl(2, 64, 300, offset=1), 4, "bwd_wide", "bwd_dz"),  # misaligned
         (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_wide", "bwd_dz"),  # step 2
     ],
@@ -455,12 +455,12 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
 @pytest.mark.parametrize(
     "shape,width,grid,whole,per",
     [
-        ((8, 5120, 2048), 16, 132, 264, 14),  # 320 groups: two waves whole, 56 x 32 items left
+        ((8, 5120, 2048), 17, 132, 264, 14),  # 320 groups: two waves whole, 56 x 32 items left
         ((8, 5120, 2048), 31, 132, 264, 14),
         ((8, 5120, 2048), 48, 132, 264, 14),  # KS 4 (spans of 512)
         ((8, 5120, 2048), 64, 132, 0, 156),  # past MMA_CL_WHOLE_STEPS: runs of the items
-        ((1, 4096, 16384), 16, 132, 132, 31),  # 256 groups of 32 spans
-        ((64, 1024, 512), 16, 128, 0, 32),  # 64 groups, fewer than the blocks: runs of the items
+        ((1, 4096, 16384), 17, 132, 132, 31),  # 256 groups of 32 spans
+        ((64, 1024, 512), 17, 128, 0, 32),  # 64 groups, fewer than the blocks: runs of the items
     ],
 )
 def test_channel_last_tensor_core_runs(monkeypatch, shape, width, grid, whole, per):

@@ -718,18 +718,25 @@ def test_channel_groups_features(channel_groups, features, width):
     run_bwd(4, 40, 1200, width, "bfloat16", layout="cl", seed=width, **features_of(features, 5))
 
 
-@pytest.mark.parametrize("width", (12, 13, 14))
-def test_channel_last_float16_crossover(monkeypatch, width):
+@pytest.mark.parametrize("width", (8, 9, 16, 17))
+@pytest.mark.parametrize("dim", (70, 71))
+def test_channel_last_float16_crossover(monkeypatch, width, dim):
     """float16 channel-contiguous x without seq_idx: bwd_channel below its CHANNEL_WIDE_FROM
-    (14), bwd_wide from it."""
+    (17), two channels a lane below CHANNEL_LANE_FROM (9), one from it (any dim, channels
+    staged one by one where strips are cut by dim), bwd_wide from 17."""
     from cupyconv import _backward_plan, _fast
 
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
-    run_bwd(2, 70, 600, width, "float16", layout="cl", init=True, dfinal=True, seed=width)
+    run_bwd(2, dim, 600, width, "float16", layout="cl", init=True, dfinal=True, seed=width)
     (plan,) = _backward_plan._plans.values()
-    narrow = width < _backward_plan.CHANNEL_WIDE_FROM["float16"]
-    assert plan.launches[0].name.startswith("bwd_channel<__half" if narrow else "bwd_wide<__half")
+    name = plan.launches[0].name
+    if width >= _backward_plan.CHANNEL_WIDE_FROM["float16"]:
+        assert name.startswith("bwd_wide<__half"), name
+    elif width >= _backward_plan.CHANNEL_LANE_FROM:
+        assert name.startswith("bwd_channel<__half") and name.split(", ")[4] == "2", name
+    else:
+        assert name.startswith("bwd_channel<__half" if dim % 2 == 0 else "bwd_wide<__half"), name
 
 
 @pytest.mark.parametrize("layout", ("cf", "cl"))
