@@ -69,13 +69,15 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
 # the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
 # backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide, or
-# bwd_mma for bfloat16). One channel a lane from CHANNEL_LANE_FROM keeps its rings in registers
-# to width 16: (8, 5120, 2048) widths 12 / 16, TB/s, bfloat16 1.93 / 1.67 against bwd_mma's
-# 1.18 / 1.18, float32 3.36 / 3.15 against 2.45 (two channels a lane) / 1.17 (bwd_wide); level
-# with bwd_mma at 20, slower from 24 (benchmarks/NOTES.md, "bwd_channel one channel a lane").
+# bwd_mma for bfloat16). One channel a lane from CHANNEL_LANE_FROM, where two spill, keeps its
+# rings in registers to width 16: (8, 5120, 2048), TB/s, width 12 bfloat16 1.93 against bwd_mma's
+# 1.18, float32 3.35 against 2.45 with two channels a lane; width 16 bfloat16 / float16 /
+# float32 1.58 / 1.59 / 3.15 against 1.18 (bwd_mma) / 0.55 / 1.17 (bwd_wide); at width 9 two
+# channels a lane are 4-6 % faster; level with bwd_mma at 20, slower from 24 (benchmarks/NOTES.md,
+# "bwd_channel one channel a lane").
 CHANNEL_MAX_WIDTH = 16
 CHANNEL_WIDE_FROM = {"float32": 17, "float16": 17, "bfloat16": 17, "float64": 13}
-CHANNEL_LANE_FROM = 9
+CHANNEL_LANE_FROM = 10
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
 # MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
 # faster at widths 11 / 12, level at 13; on (64, 1024, 512) 32 / 22 / 13 % faster at 12 / 13 /

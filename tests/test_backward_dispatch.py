@@ -88,7 +88,7 @@ def names(record):
         (cl(2, 64, 300), 16, "bwd_channel", "bwd_channel"),
         (cl(2, 64, 300), 17, "bwd_wide", "bwd_dz"),  # bwd_wide takes no seq_idx
         (cl(2, 63, 300), 4, "bwd_wide", "bwd_dz"),  # channels do not split into lane vectors
-        (cl(2, 63, 300), 9, "bwd_channel", "bwd_channel"),  # one channel a lane
+        (cl(2, 63, 300), 10, "bwd_channel", "bwd_channel"),  # one channel a lane
         (cl(2, 64, 300, offset=1), 4, "bwd_wide", "bwd_dz"),  # misaligned
         (FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "bwd_wide", "bwd_dz"),  # step 2
     ],
