@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             // A lane's own vector (zeros where !in): by cp.async, or (2 bytes, below its smallest
             // copy) loaded and stored.
             auto own = [&](Raw* to, const T* from, bool in) {
-                if constexpr (BYTES >= 4) cp_async<BYTES, 128>(to, in ? from : x, in ? BYTES : 0);
+                if constexpr (BYTES >= 4) cp_async<BYTES, 128>(to, from, in ? BYTES : 0);
                 else *to = in ? *reinterpret_cast<const Raw*>(from) : Raw(0);
             };
             if (rows == R) {  // the whole tile in the row: no checks
@@ -120,10 +120,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 }
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, src, r < rows);
+                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, r < rows ? src : xb, r < rows);
                 if (dout_aligned) {
                     #pragma unroll 1
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), d, r < rows);
+                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), r < rows ? d : db, r < rows);
                 }
             }
             if (!dout_aligned) {

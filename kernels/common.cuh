@@ -199,7 +199,7 @@ template <typename X, typename Y> struct Select<false, X, Y> { using type = Y; }
 // float16 pairs with one conversion (src 4-byte aligned), an odd last value alone.
 template <typename T, typename A, int N>
 __device__ __forceinline__ void widen(const T* src, A* dst) {
-    if constexpr (N % 2 && (same_type<T, __nv_bfloat16> || same_type<T, __half>)) {
+    if constexpr (N % 2 && sizeof(T) == 2) {  // (the half types)
         widen<T, A, N - 1>(src, dst);
         dst[N - 1] = A(to_acc(src[N - 1]));
     } else if constexpr (same_type<T, __nv_bfloat16>) {
