@@ -66,17 +66,18 @@ CONSTANTS = {
 # (benchmarks/NOTES.md, "bwd_reduce's blocks, again").
 REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
-# bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx (at 9 / 12 / 16 it runs 20 / 10 / 4 times
-# the general path's speed, from 24 on its rings spill: benchmarks/NOTES.md, "The channel-last
-# backward from width 9"), and below CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide, or
-# bwd_mma for bfloat16). One channel a lane from CHANNEL_LANE_FROM, where two spill, keeps its
-# rings in registers to width 16: (8, 5120, 2048), TB/s, width 12 bfloat16 1.93 against bwd_mma's
-# 1.18, float32 3.35 against 2.45 with two channels a lane; width 16 bfloat16 / float16 /
-# float32 1.58 / 1.59 / 3.15 against 1.18 (bwd_mma) / 0.55 / 1.17 (bwd_wide); at width 9 two
-# channels a lane are 4-6 % faster; level with bwd_mma at 20, slower from 24 (benchmarks/NOTES.md,
-# "bwd_channel one channel a lane").
-CHANNEL_MAX_WIDTH = 16
-CHANNEL_WIDE_FROM = {"float32": 17, "float16": 17, "bfloat16": 17, "float64": 13}
+# bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx, and below CHANNEL_WIDE_FROM (by x's dtype)
+# without (then bwd_wide; bfloat16 x with bfloat16 weights takes bwd_mma from MMA_CL_MIN_WIDTH
+# first). One channel a lane from CHANNEL_LANE_FROM, where two spill, keeps its rings in
+# registers (12 warps an SM past width 16): (8, 5120, 2048), TB/s, width 12 bfloat16 1.93
+# against bwd_mma's 1.18, float32 3.35 against 2.45 with two channels a lane; width 16 bfloat16 /
+# float16 / float32 1.58 / 1.59 / 3.15 against 1.18 (bwd_mma) / 0.55 / 1.17 (bwd_wide); width 20
+# bfloat16 1.17 against bwd_mma's 1.09 (0.96 against 1.09 at 24), float32 2.24 / 1.80 / 1.06
+# at widths 20 / 24 / 31 against bwd_wide's 1.05 / 1.02 / 0.96; with seq_idx (no other fast
+# kernel takes it) 0.32 / 0.17 at 20 / 24 against the general path's 0.04 / 0.03. At width 9
+# two channels a lane are 4-6 % faster (benchmarks/NOTES.md, "bwd_channel one channel a lane").
+CHANNEL_MAX_WIDTH = 32
+CHANNEL_WIDE_FROM = {"float32": 33, "float16": 33, "bfloat16": 33, "float64": 13}
 CHANNEL_LANE_FROM = 10
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
 # MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
@@ -86,7 +87,7 @@ CHANNEL_LANE_FROM = 10
 # channel-contiguous x from MMA_CL_MIN_WIDTH (past bwd_channel's widths), spans of up to
 # MMA_CL_SPAN, where a block's shared memory fits the device.
 MMA_MIN_WIDTH, MMA_SHORT_MIN_WIDTH, MMA_SHORT_ROW, MMA_SPAN = 12, 16, 512, 1024
-MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 17, 512
+MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 21, 512
 # bwd_mma_time (bwd_mma's calls up to MMA_TIME_MAX_STEPS k-steps whose x and dout rows start on
 # 8-byte boundaries): chunks of MMA_TIME_CHUNK = (groups of 256 positions, warps a block), one
 # wave of warps, each a run of the call's chunks in channel-major order; at 3 k-steps, rows made

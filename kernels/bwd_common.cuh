@@ -36,9 +36,10 @@
 // bytes of an element, the channels a lane computes and the width: WARPS_PER_SM (the plan's),
 // 16 for four channels a lane or widths from 6 (bwd_channel's rings and taps: at WARPS_PER_SM's
 // 96 registers they spilled, 52-524 bytes a thread at widths 6-8; benchmarks/NOTES.md,
-// "Register budgets under NVRTC 13"), 8 for float64.
+// "Register budgets under NVRTC 13"), 12 for one channel a lane past width 16 (168 registers:
+// no spills up to width 24 without seq_idx; "bwd_channel one channel a lane"), 8 for float64.
 __host__ __device__ constexpr int bwd_warps_per_sm(int bytes, int channels, int width = 0) {
-    return bytes == 8 ? 8 : channels > 2 || width >= 6 ? 16 : WARPS_PER_SM;
+    return bytes == 8 ? 8 : channels == 1 && width > 16 ? 12 : channels > 2 || width >= 6 ? 16 : WARPS_PER_SM;
 }
 
 // Sum k of channel c (k < width: of dweight[c, k]; k == width: of dbias[c]) as the result

@@ -718,12 +718,30 @@ def test_channel_groups_features(channel_groups, features, width):
     run_bwd(4, 40, 1200, width, "bfloat16", layout="cl", seed=width, **features_of(features, 5))
 
 
-@pytest.mark.parametrize("width", (9, 10, 16, 17))
+@pytest.mark.parametrize("width", (10, 17, 24, 32))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32", "float64"))
+@pytest.mark.parametrize("features", ("", "seq-padding-init-dfinal"))
+def test_channel_one_lane(monkeypatch, width, dtype, features):
+    """bwd_channel with one channel a lane (from CHANNEL_LANE_FROM; 12 warps an SM past width
+    16) against the oracle: strips cut by dim (45 channels: bwd_mma's channel-last form does not
+    take them), rows of several groups, with and without seq_idx."""
+    from cupyconv import _backward_plan, _fast
+
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    kwargs = features_of(features, 3)
+    run_bwd(2, 45, 700, width, dtype, layout="cl", seed=width, **kwargs)
+    (plan,) = _backward_plan._plans.values()
+    narrow = kwargs["segments"] or width < _backward_plan.CHANNEL_WIDE_FROM[dtype]
+    assert plan.launches[0].name.startswith("bwd_channel<" if narrow else "bwd_wide<")
+
+
+@pytest.mark.parametrize("width", (9, 10, 16, 17, 32, 33))
 @pytest.mark.parametrize("dim", (70, 71))
 def test_channel_last_float16_crossover(monkeypatch, width, dim):
     """float16 channel-contiguous x without seq_idx: bwd_channel below its CHANNEL_WIDE_FROM
-    (17), two channels a lane below CHANNEL_LANE_FROM (10), one from it (any dim, channels
-    staged one by one where strips are cut by dim), bwd_wide from 17."""
+    (33), two channels a lane below CHANNEL_LANE_FROM (10), one from it (any dim, channels
+    staged one by one where strips are cut by dim; 12 warps an SM past 16), bwd_wide from 33."""
     from cupyconv import _backward_plan, _fast
 
     monkeypatch.setattr(_backward_plan, "_plans", {})
