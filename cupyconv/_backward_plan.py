@@ -66,17 +66,19 @@ CONSTANTS = {
 # (benchmarks/NOTES.md, "bwd_reduce's blocks, again").
 REDUCE_SUMS, REDUCE_MANY = 4, 32768
 TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
-# bwd_channel up to CHANNEL_MAX_WIDTH with seq_idx, and below CHANNEL_WIDE_FROM (by x's dtype)
-# without (then bwd_wide; bfloat16 x with bfloat16 weights takes bwd_mma from MMA_CL_MIN_WIDTH
-# first). One channel a lane from CHANNEL_LANE_FROM, where two spill, keeps its rings in
-# registers (12 warps an SM past width 16): (8, 5120, 2048), TB/s, width 12 bfloat16 1.93
-# against bwd_mma's 1.18, float32 3.35 against 2.45 with two channels a lane; width 16 bfloat16 /
-# float16 / float32 1.58 / 1.59 / 3.15 against 1.18 (bwd_mma) / 0.55 / 1.17 (bwd_wide); width 20
-# bfloat16 1.17 against bwd_mma's 1.09 (0.96 against 1.09 at 24), float32 2.24 / 1.80 / 1.06
-# at widths 20 / 24 / 31 against bwd_wide's 1.05 / 1.02 / 0.96; with seq_idx (no other fast
-# kernel takes it) 0.32 / 0.17 at 20 / 24 against the general path's 0.04 / 0.03. At width 9
-# two channels a lane are 4-6 % faster (benchmarks/NOTES.md, "bwd_channel one channel a lane").
-CHANNEL_MAX_WIDTH = 32
+# bwd_channel up to CHANNEL_SEQ_MAX_WIDTH with seq_idx (past it the rings spill thousands of
+# bytes a thread: slow to compile, not measured), and up to CHANNEL_MAX_WIDTH below
+# CHANNEL_WIDE_FROM (by x's dtype) without (then bwd_wide; bfloat16 x with bfloat16 weights
+# takes bwd_mma from MMA_CL_MIN_WIDTH first). One channel a lane from CHANNEL_LANE_FROM, where
+# two spill, keeps its rings in registers (12 warps an SM past width 16): (8, 5120, 2048), TB/s,
+# width 12 bfloat16 1.93 against bwd_mma's 1.18, float32 3.35 against 2.45 with two channels a
+# lane; width 16 bfloat16 / float16 / float32 1.58 / 1.59 / 3.15 against 1.18 (bwd_mma) / 0.55
+# / 1.17 (bwd_wide); width 20 bfloat16 1.17 against bwd_mma's 1.09 (0.96 against 1.09 at 24),
+# float32 2.24 / 1.80 / 1.06 at widths 20 / 24 / 31 against bwd_wide's 1.05 / 1.02 / 0.96; with
+# seq_idx (no other fast kernel takes it) 0.32 / 0.17 at 20 / 24 against the general path's
+# 0.04 / 0.03. At width 9 two channels a lane are 4-6 % faster (benchmarks/NOTES.md,
+# "bwd_channel one channel a lane").
+CHANNEL_MAX_WIDTH, CHANNEL_SEQ_MAX_WIDTH = 32, 24
 CHANNEL_WIDE_FROM = {"float32": 33, "float16": 33, "bfloat16": 33, "float64": 13}
 CHANNEL_LANE_FROM = 10
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
@@ -249,6 +251,14 @@ def _channel_tile(dtype: str, width: int) -> tuple[int, int, int, int]:
     return r, lane_bytes, bufs, max(1, min(4, CHANNEL_SMEM // (bufs * tile)))
 
 
+def _channel_takes(dtype: str, width: int, seq: bool) -> bool:
+    """Whether bwd_channel serves channel-contiguous x of ``dtype`` at ``width`` (its vectors
+    aside)."""
+    if seq:
+        return width <= min(CHANNEL_SEQ_MAX_WIDTH, CHANNEL_MAX_WIDTH)
+    return width <= CHANNEL_MAX_WIDTH and width < CHANNEL_WIDE_FROM[dtype]
+
+
 def _channel_name(dtype: str, width: int, seq: bool) -> str:
     r, lane_bytes, bufs, warps = _channel_tile(dtype, width)
     s = str(seq).lower()
@@ -310,7 +320,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                 if w <= TIME_MAX_WIDTH:
                     for chunk in (*(c for _, c in TIME_CHUNKS), TIME_LONG_CHUNK):
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
-                if w <= CHANNEL_MAX_WIDTH and (seq or w < CHANNEL_WIDE_FROM[d]):
+                if _channel_takes(d, w, seq):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
@@ -368,8 +378,8 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
         return _plan_time(x, dout, dx, width, has_seq, states, itemsize)
     lane_bytes = _channel_tile(x.dtype_name, width)[1]
-    narrow = width <= CHANNEL_MAX_WIDTH and (has_seq or width < CHANNEL_WIDE_FROM[x.dtype_name])
-    if x_c == 1 and narrow and _channel_vectors(x, lane_bytes):
+    channel = _channel_takes(x.dtype_name, width, has_seq)
+    if x_c == 1 and channel and _channel_vectors(x, lane_bytes):
         return _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device)
     if not has_seq:
         plan = _plan_wide(x, dout, dx, width, states, device)

@@ -86,7 +86,8 @@ def names(record):
         (cl(2, 64, 300), 4, "bwd_channel", "bwd_channel"),
         (cl(2, 64, 300), 12, "bwd_channel", "bwd_channel"),
         (cl(2, 64, 300), 16, "bwd_channel", "bwd_channel"),
-        (cl(2, 64, 300), 32, "bwd_channel", "bwd_channel"),
+        (cl(2, 64, 300), 24, "bwd_channel", "bwd_channel"),
+        (cl(2, 64, 300), 32, "bwd_channel", "bwd_dz"),  # seq_idx: bwd_channel up to 24
         (cl(2, 64, 300), 33, "bwd_wide", "bwd_dz"),  # bwd_wide takes no seq_idx
         (cl(2, 63, 300), 4, "bwd_wide", "bwd_dz"),  # channels do not split into lane vectors
         (cl(2, 63, 300), 10, "bwd_channel", "bwd_channel"),  # one channel a lane

@@ -724,7 +724,8 @@ def test_channel_groups_features(channel_groups, features, width):
 def test_channel_one_lane(monkeypatch, width, dtype, features):
     """bwd_channel with one channel a lane (from CHANNEL_LANE_FROM; 12 warps an SM past width
     16) against the oracle: strips cut by dim (45 channels: bwd_mma's channel-last form does not
-    take them), rows of several groups, with and without seq_idx."""
+    take them), rows of several groups, with and without seq_idx (the general path past
+    CHANNEL_SEQ_MAX_WIDTH)."""
     from cupyconv import _backward_plan, _fast
 
     monkeypatch.setattr(_backward_plan, "_plans", {})
@@ -732,8 +733,9 @@ def test_channel_one_lane(monkeypatch, width, dtype, features):
     kwargs = features_of(features, 3)
     run_bwd(2, 45, 700, width, dtype, layout="cl", seed=width, **kwargs)
     (plan,) = _backward_plan._plans.values()
-    narrow = kwargs["segments"] or width < _backward_plan.CHANNEL_WIDE_FROM[dtype]
-    assert plan.launches[0].name.startswith("bwd_channel<" if narrow else "bwd_wide<")
+    taken = _backward_plan._channel_takes(dtype, width, bool(kwargs["segments"]))
+    other = "bwd_dz<" if kwargs["segments"] else "bwd_wide<"  # (the general path with seq_idx)
+    assert plan.launches[0].name.startswith("bwd_channel<" if taken else other)
 
 
 @pytest.mark.parametrize("width", (9, 10, 16, 17, 32, 33))
