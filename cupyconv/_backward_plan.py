@@ -77,9 +77,12 @@ TIME_MAX_WIDTH = 16  # bwd_time up to this width (then bwd_mma or bwd_wide)
 # float32 2.24 / 1.80 / 1.06 at widths 20 / 24 / 31 against bwd_wide's 1.05 / 1.02 / 0.96; with
 # seq_idx (no other fast kernel takes it) 0.32 / 0.17 at 20 / 24 against the general path's
 # 0.04 / 0.03. At width 9 two channels a lane are 4-6 % faster (benchmarks/NOTES.md,
-# "bwd_channel one channel a lane").
+# "bwd_channel one channel a lane"). float64 (8 warps an SM, spills from width 23) 1.96 / 2.44 /
+# 1.44 at widths 13 / 16 / 24 against bwd_wide's 0.92 / 0.94 / 0.87, 0.39 against 0.83 at 32;
+# float16 0.86 / 0.59 at 25 / 32 against bwd_wide's 0.47 / 0.44; bfloat16 level with bwd_mma at
+# 21, 5 / 11 % slower at 22 / 23 ("The channel-last crossovers, measured").
 CHANNEL_MAX_WIDTH, CHANNEL_SEQ_MAX_WIDTH = 32, 24
-CHANNEL_WIDE_FROM = {"float32": 33, "float16": 33, "bfloat16": 33, "float64": 13}
+CHANNEL_WIDE_FROM = {"float32": 33, "float16": 33, "bfloat16": 33, "float64": 25}
 CHANNEL_LANE_FROM = 10
 # bwd_mma (bfloat16 x and weights, no seq_idx) from MMA_MIN_WIDTH on, on rows of at most
 # MMA_SHORT_ROW positions from MMA_SHORT_MIN_WIDTH (bwd_time below: on (8, 5120, 2048) 16 / 7 %
