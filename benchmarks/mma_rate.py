@@ -97,25 +97,28 @@ def source() -> str:
     return text
 
 
-def check() -> None:
-    """Compile both kernels for sm_90a with NVRTC (no GPU)."""
+def compile_check() -> tuple[bool, str]:
+    """(whether NVRTC compiled the kernels, its log), for sm_90a with the -arch=sm_90 CuPy
+    appends beside it, as ``main`` builds them (no GPU needed)."""
     from cuda.bindings import nvrtc
 
-    err, prog = nvrtc.nvrtcCreateProgram(source().encode(), b"mma_rate.cu", 0, [], [])
+    _, prog = nvrtc.nvrtcCreateProgram(source().encode(), b"mma_rate.cu", 0, [], [])
     opts = [b"-std=c++17", b"-arch=sm_90a", b"-arch=sm_90"]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * n
     nvrtc.nvrtcGetProgramLog(prog, log)
-    print(res, log.decode(errors="replace").strip())
-    sys.exit(0 if res == nvrtc.nvrtcResult.NVRTC_SUCCESS else 1)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").strip("\x00 \n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compile only (NVRTC, no GPU)")
     if parser.parse_args().check:
-        check()
+        ok, log = compile_check()
+        print("compiled" if ok else "failed", log)
+        sys.exit(0 if ok else 1)
     import cupy as cp
 
     mod = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"))

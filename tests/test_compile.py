@@ -174,6 +174,21 @@ def test_compile_error_is_reported():
         compile_offline(SOURCES["fwd_time.cu"], ["fwd_time<int, 4, false, 8, 1>"], "compute_90")
 
 
+def test_tensor_core_rate_kernels_build_for_sm_90a():
+    """benchmarks/mma_rate.py: its wgmma kernels need an sm_90a target, which it gives beside
+    the -arch=sm_90 CuPy appends; NVRTC takes the pair, and ptxas does not serialise the wgmma
+    batches (warning C7515), which would make the rate it measures a wrong ceiling."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import mma_rate
+
+    ok, log = mma_rate.compile_check()
+    assert ok, log
+    assert "C7515" not in log, log
+
+
 def test_instance_table_covers_every_width():
     instances = all_forward_instances(dtypes=("bfloat16",))
     names = {name for group in instances.values() for name in group}
