@@ -1,5 +1,6 @@
 """Tensor-core ceilings on this device: bf16 products with float32 sums issued as mma.sync
-(m16n8k16, what every cupyconv kernel issues) and as wgmma (m64nNk16, sm_90a), in TFLOP/s.
+(m16n8k16, what every cupyconv kernel issues) and as wgmma (m64nNk16 for N from 16 to 256,
+sm_90a), in TFLOP/s.
 
 python benchmarks/mma_rate.py [--check]
 
@@ -16,7 +17,7 @@ import argparse
 import sys
 
 ITERS, CHAINS, BATCH = 2048, 8, 16
-WGMMA_N = (64, 128, 256)  # the n of m64nNk16 measured
+WGMMA_N = (16, 32, 64, 128, 256)  # the n of m64nNk16 measured
 
 SRC = r"""
 extern "C" __global__ void mma_sync_rate(float* out, int iters) {
