@@ -100,17 +100,13 @@ def source() -> str:
 
 def compile_check() -> tuple[bool, str]:
     """(whether NVRTC compiled the kernels, its log), for sm_90a with the -arch=sm_90 CuPy
-    appends beside it, as ``main`` builds them (no GPU needed)."""
-    from cuda.bindings import nvrtc
+    appends beside it and CuPy's other options, as ``main`` builds them (no GPU needed)."""
+    from cupyconv._compile import nvrtc_compile
 
-    _, prog = nvrtc.nvrtcCreateProgram(source().encode(), b"mma_rate.cu", 0, [], [])
-    opts = [b"-std=c++17", b"-arch=sm_90a", b"-arch=sm_90"]
-    (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * n
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(prog)
-    return res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").strip("\x00 \n")
+    try:
+        return True, nvrtc_compile(source(), "mma_rate.cu", (), "sm_90a", ("-arch=sm_90",))[1]
+    except RuntimeError as error:
+        return False, str(error)
 
 
 def main() -> None:

@@ -154,6 +154,15 @@ def ptxas_report(source: Source, names, arch: str) -> str:
 def _nvrtc(source: Source, names, arch: str, extra: tuple[str, ...]) -> tuple[bytes, str]:
     """(image, log) of ``names`` of ``source`` compiled by NVRTC for ``arch`` with the options
     CuPy passes and ``extra``; RuntimeError with the log on failure."""
+    return nvrtc_compile(source.text, source.file, names, arch, extra)
+
+
+def nvrtc_compile(
+    text: str, file: str, names, arch: str, extra: tuple[str, ...] = ()
+) -> tuple[bytes, str]:
+    """(image, log) of the program ``text`` (named ``file`` in the log) with its instances
+    ``names``, compiled by NVRTC for ``arch`` with the options CuPy passes and ``extra``;
+    RuntimeError with the log on failure."""
     from cuda.bindings import nvrtc
     from cuda.pathfinder import find_nvidia_header_directory
 
@@ -164,7 +173,7 @@ def _nvrtc(source: Source, names, arch: str, extra: tuple[str, ...]) -> tuple[by
         return rest[0] if len(rest) == 1 else rest
 
     include = find_nvidia_header_directory("cudart")
-    program = nvrtc.nvrtcCreateProgram(source.text.encode(), source.file.encode(), 0, [], [])
+    program = nvrtc.nvrtcCreateProgram(text.encode(), file.encode(), 0, [], [])
     prog = check(program)
     try:
         for name in names:
@@ -175,7 +184,7 @@ def _nvrtc(source: Source, names, arch: str, extra: tuple[str, ...]) -> tuple[by
         check(nvrtc.nvrtcGetProgramLog(prog, log))
         log = log.rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{source.file} failed to compile for {arch}:\n{log}")
+            raise RuntimeError(f"{file} failed to compile for {arch}:\n{log}")
         if arch.startswith("sm_"):
             size = check(nvrtc.nvrtcGetCUBINSize(prog))
             image = b" " * size

@@ -178,11 +178,13 @@ def test_tensor_core_rate_kernels_build_for_sm_90a():
     """benchmarks/mma_rate.py: its wgmma kernels need an sm_90a target, which it gives beside
     the -arch=sm_90 CuPy appends; NVRTC takes the pair, and ptxas does not serialise the wgmma
     batches (warning C7515), which would make the rate it measures a wrong ceiling."""
-    import sys
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import mma_rate
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "mma_rate.py"
+    spec = importlib.util.spec_from_file_location("mma_rate", path)
+    mma_rate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mma_rate)
 
     ok, log = mma_rate.compile_check()
     assert ok, log
