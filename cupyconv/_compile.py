@@ -141,20 +141,14 @@ def compile_offline(source: Source, names, arch: str) -> bytes:
     """Compile instances ``names`` of ``source`` with NVRTC for ``arch`` (``sm_90`` gives a
     cubin, ``compute_90`` PTX) without a GPU, with the options CuPy would pass; return the
     image. Raises RuntimeError with the compiler log on failure."""
-    return _nvrtc(source, names, arch, ())[0]
+    return nvrtc_compile(source.text, source.file, names, arch)[0]
 
 
 def ptxas_report(source: Source, names, arch: str) -> str:
     """The compiler log of instances ``names`` of ``source`` compiled offline for ``arch`` (an
     ``sm_``) as :func:`compile_offline` does, with ``-Xptxas=-v``: each instance's registers,
     spills and shared memory."""
-    return _nvrtc(source, names, arch, ("-Xptxas=-v",))[1]
-
-
-def _nvrtc(source: Source, names, arch: str, extra: tuple[str, ...]) -> tuple[bytes, str]:
-    """(image, log) of ``names`` of ``source`` compiled by NVRTC for ``arch`` with the options
-    CuPy passes and ``extra``; RuntimeError with the log on failure."""
-    return nvrtc_compile(source.text, source.file, names, arch, extra)
+    return nvrtc_compile(source.text, source.file, names, arch, ("-Xptxas=-v",))[1]
 
 
 def nvrtc_compile(
