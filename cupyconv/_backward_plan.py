@@ -33,8 +33,10 @@ from ._launch import (
     fast_divisor,
     mma_steps,
     pack,
+    piece_spans,
     resident_blocks,
     shared_memory_limit,
+    waves,
 )
 
 # Launch constants shared with the kernels. Measurements behind the tile sizes, chunk shapes and
@@ -59,6 +61,8 @@ CONSTANTS = {
     "WIDE_BANK_RUN": 32,  # bwd_wide: a staged row gains WIDE_BANK_PAD slots every
     "WIDE_BANK_PAD": 4,  # WIDE_BANK_RUN slots (no bank conflicts)
     "REDUCE_WARPS": 8,  # bwd_reduce: warps a block (warp w: parts w, w + 8, ...)
+    "BWD_CL_WARPS": 4,  # bwd_mma_cl: warps a block, 8 channels each
+    "BWD_CL_STEP": 128,  # bwd_mma_cl: positions a step (8 columns of 16 outputs)
 }
 # bwd_reduce: a thread adds REDUCE_SUMS of the call's dim (width + 1) sums where there are more
 # than REDUCE_MANY (about one wave of 32-sum blocks on the H200), else one. Four a thread made
@@ -103,6 +107,14 @@ MMA_CL_MIN_WIDTH, MMA_CL_SPAN = 21, 512
 MMA_TIME_MAX_STEPS = 3
 MMA_TIME_CHUNK, MMA_TIME_LONG_CHUNK = (2, 4), (4, 2)
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
+# bwd_mma_cl (bfloat16 x and weights, channel-contiguous x, dout and dx in 16-byte aligned runs of
+# 8 channels, no seq_idx) from MMA_CL_FROM on, where bwd_mma's channel-last form stops (not yet
+# measured against it below). Pieces of rows of MMA_CL_LONGEST positions or half, a quarter ..
+# down to MMA_CL_SHORTEST: the longest whose estimated time is within MMA_CL_SLACK of the least (a
+# wave of items counted at least MMA_CL_FILL as long as a full one; each piece's steps reach D or
+# 127 positions past it).
+MMA_CL_FROM = 66
+MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_FILL, MMA_CL_SLACK = 4096, 512, 0.8, 1.05
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
 # 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
 # slower), evenly split runs beyond (benchmarks/NOTES.md, "bwd_mma's channel-last blocks on
@@ -213,9 +225,14 @@ WIDE = Kernel(
     ),
     pdl=True,
 )  # fmt: skip
+MMA_CL = Kernel(
+    "bwd_mma_cl", "bwd_mma_cl.cu", "BwdMmaClParams",
+    ("span", "pieces", "group_divisor", "piece_divisor", "taps_at"),
+    pdl=True,
+)  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams", pdl=True)
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams", pdl=True)
-KERNELS = (TIME, CHANNEL, MMA, MMA_TIME, MMA_BLOCK, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (TIME, CHANNEL, MMA, MMA_TIME, MMA_BLOCK, MMA_CL, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -309,6 +326,23 @@ def takes_mma_cl(x: Array, dout: Array, dx: Array, weight_dtype: str, width: int
     )  # fmt: skip
 
 
+def _cl_steps(width: int) -> int:
+    """bwd_mma_cl's KS for ``width``: mma_steps, and 10 for width 129 (up to KS 9 its lags are
+    held in one fragment of 128)."""
+    return max(mma_steps(width), 10) if width > 128 else mma_steps(width)
+
+
+def takes_cl_tensor(x: Array, dout: Array, dx: Array, weight_dtype: str, width: int, has_seq):
+    """Whether bwd_mma_cl may serve the call (if a block fits the device): bfloat16 x and
+    weights, no seq_idx, width MMA_CL_FROM or more, and x, dout and dx channel-contiguous in
+    16-byte aligned runs of 8 channels."""
+    return (
+        x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
+        and width >= MMA_CL_FROM
+        and x.shape[1] % 8 == 0 and all(rows_aligned(a, 1) for a in (x, dout, dx))
+    )  # fmt: skip
+
+
 def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
     """Every backward template instance the plan can produce for these x dtypes and widths,
     by source."""
@@ -333,6 +367,8 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                         found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w, chunk))
             if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
                 found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
+            if d == "bfloat16" and w >= MMA_CL_FROM:
+                found.setdefault(MMA_CL.source, set()).add(_cl_name(w))
     return {source: sorted(names) for source, names in found.items()}
 
 
@@ -376,6 +412,10 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
         return _plan_mma(x, dout, dx, width, states, device)
     if takes_mma_cl(x, dout, dx, weight_dtype, width, has_seq):
         plan = _plan_mma_cl(x, width, states, device)
+        if plan is not None:
+            return plan
+    if takes_cl_tensor(x, dout, dx, weight_dtype, width, has_seq):
+        plan = _plan_cl_tensor(x, width, states, device)
         if plan is not None:
             return plan
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
@@ -634,6 +674,55 @@ def _plan_mma_cl(x, width, states, device) -> BackwardPlan | None:
         span=span, per=per, whole=whole, **layout,
     )  # fmt: skip
     return _finish([launch], x, width, states, batch * -(-seqlen // span), None)
+
+
+def _cl_name(width: int) -> str:
+    return f"bwd_mma_cl<{C_TYPES['bfloat16']}, {_cl_steps(width)}>"
+
+
+def cl_tensor_shared_memory(width: int) -> tuple[int, int]:
+    """bwd_mma_cl's taps_at and bytes a block: its four rings (x, x one position later, dz's
+    high and low halves; 32 channels of RING = 128 (LF + 1) positions and 16 bytes, LF = 1 up to
+    KS 9, else 2), two x staging buffers and the dout buffer (128 positions of 32 channels), then
+    each warp's taps (8 channels x D + 32 word pairs) and 8 biases."""
+    ks = _cl_steps(width)
+    d = 16 * (ks - 1)
+    warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]
+    channels = 8 * warps
+    ring = step * (2 if d <= 128 else 3)
+    taps_at = 4 * channels * (2 * ring + 16) + 3 * step * 2 * channels
+    return taps_at, taps_at + warps * (8 * (d + 32) + 8) * 4
+
+
+def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
+    """A persistent grid of BWD_CL_WARPS-warp blocks, each taking items (32 channels of a piece
+    of ``span`` positions of a batch row, channel group fastest) in turn; one part a piece (None
+    where a block does not fit the device)."""
+    batch, dim, seqlen = x.shape
+    d = 16 * (_cl_steps(width) - 1)
+    taps_at, smem = cl_tensor_shared_memory(width)
+    if smem > shared_memory_limit(device):
+        return None
+    warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]
+    name, groups = _cl_name(width), -(-dim // (8 * warps))
+    resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
+
+    def items(span):  # (channel groups, pieces of the rows)
+        return groups * batch * -(-seqlen // span)
+
+    def time(span):  # a persistent grid's waves of items, each its steps long
+        return (span + max(d, step - 1)) * waves(items(span), resident, MMA_CL_FILL)
+
+    spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
+    least = min(map(time, spans))
+    span = max(s for s in spans if time(s) <= MMA_CL_SLACK * least)
+    pieces = -(-seqlen // span)
+    launch = MMA_CL.launch(
+        name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem, span=span,
+        pieces=pieces, group_divisor=fast_divisor(groups), piece_divisor=fast_divisor(pieces),
+        taps_at=taps_at,
+    )  # fmt: skip
+    return _finish([launch], x, width, states, batch * pieces, None)
 
 
 def _channels_fastest(a: Array) -> bool:

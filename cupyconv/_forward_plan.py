@@ -30,8 +30,10 @@ from ._launch import (
     fast_divisor,
     mma_steps,
     pack,
+    piece_spans,
     resident_blocks,
     shared_memory_limit,
+    waves,
 )  # fmt: skip
 
 # Launch constants shared with the kernels. Measurements behind each number:
@@ -447,14 +449,10 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
         return groups * -(-(batch * -(-seqlen // span)) // 8)
 
     def time(span):  # a persistent grid's waves of items, each (span + the D before it) long
-        full, rest = divmod(items(span), resident)
-        last = max(rest / resident, MMA_CL_FILL) if rest else 0
-        return (span + step * (ks - 1)) * (full + last)
+        return (span + step * (ks - 1)) * waves(items(span), resident, MMA_CL_FILL)
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
-    spans = [min(MMA_CL_LONGEST, -(-seqlen // step) * step)]
-    while spans[-1] > MMA_CL_SHORTEST:
-        spans.append(max(MMA_CL_SHORTEST, spans[-1] // 2 // step * step))
+    spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
     least = min(map(time, spans))
     span = min(s for s in spans if time(s) <= MMA_CL_SLACK * least)
     pieces = -(-seqlen // span)

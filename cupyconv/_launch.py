@@ -399,6 +399,22 @@ def acc_bytes(itemsize: int) -> int:
     return 8 if itemsize == 8 else 4
 
 
+def piece_spans(seqlen: int, step: int, longest: int, shortest: int) -> list[int]:
+    """The spans a channel-contiguous kernel may cut rows into: ``longest`` positions (the row,
+    where shorter), then half, a quarter .. down to ``shortest``, each a multiple of ``step``."""
+    spans = [min(longest, -(-seqlen // step) * step)]
+    while spans[-1] > shortest:
+        spans.append(max(shortest, spans[-1] // 2 // step * step))
+    return spans
+
+
+def waves(items: int, resident: int, fill: float) -> float:
+    """The waves of a persistent grid of ``resident`` blocks over ``items`` items of one length,
+    a last partial wave counted at least ``fill`` of a full one."""
+    full, rest = divmod(items, resident)
+    return full + (max(rest / resident, fill) if rest else 0)
+
+
 def mma_steps(width: int) -> int:
     """KS of the tensor-core kernels (fwd_mma, bwd_mma, bwd_mma_block; ``ToeplitzTaps`` in
     kernels/mma_common.cuh) for filters of ``width`` >= 2: k-steps of 16 window inputs, with

@@ -180,6 +180,16 @@ __device__ __forceinline__ A input_at(const T* x, const void* initial_states, co
                       b * p.init_batch_stride + c * p.init_c_stride + (p.width - 1 + s) * p.init_l_stride);
 }
 
+// The input at position pos of row (b, c) for a window slot: x, the initial states, or 0
+// (before the states, past the row, past the last channel).
+template <typename T, typename P>
+__device__ __forceinline__ T window_input(const T* x, const void* initial_states, const P& p, int64 b, int64 c,
+                                          int64 pos) {
+    if (c >= p.dim || pos >= p.seqlen || pos < -(p.width - 1)) return T();
+    return pos >= 0 ? x[b * p.x_batch_stride + c * p.x_c_stride + pos * p.x_l_stride]
+                    : from_acc<T>(input_at<float>(x, initial_states, p, b, c, pos));
+}
+
 // SiLU(z) = z * sigmoid(z). float: fast exp and reciprocal (relative error ~1e-7; exp(-z) = inf
 // for z < -88 gives -0, the limit). double: exact.
 __device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.0f + __expf(-z)); }

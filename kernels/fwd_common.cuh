@@ -58,13 +58,3 @@ __device__ __forceinline__ bool final_states_blocks(const T* x, const void* seq_
     }
     return true;
 }
-
-// The input at position pos of row (b, c) for a window slot: x, the initial states, or 0
-// (before the states, past the row, past the last channel).
-template <typename T, typename P>
-__device__ __forceinline__ T window_input(const T* x, const void* initial_states, const P& p, int64 b, int64 c,
-                                          int64 pos) {
-    if (c >= p.dim || pos >= p.seqlen || pos < -(p.width - 1)) return T();
-    return pos >= 0 ? x[b * p.x_batch_stride + c * p.x_c_stride + pos * p.x_l_stride]
-                    : from_acc<T>(input_at<float>(x, initial_states, p, b, c, pos));
-}

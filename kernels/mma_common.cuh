@@ -88,6 +88,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_address(row)));
 }
+// The two 8x8 matrices whose rows lanes 0 .. 15 address, as they lie (ldmatrix_x4's first two).
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)));
+}
 // ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
 // column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
 __device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {

@@ -494,13 +494,58 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
     assert main(cl()).startswith("bwd_mma") and main(cl(row=192)).startswith("bwd_mma")
     assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH).startswith("bwd_mma")
     assert main(cl(), width=_backward_plan.MMA_CL_MIN_WIDTH - 1).startswith("bwd_channel")
-    assert main(cl(), width=66).startswith("bwd_wide")  # more k-steps than MMA_CL_STEPS
-    assert main(cl(c=60)).startswith("bwd_wide")  # channels not in runs of 8
-    assert main(cl(ptr=(1 << 40) + 2)).startswith("bwd_wide")  # runs not 16-byte aligned
-    assert main(cl(row=68)).startswith("bwd_wide")  # rows not 16-byte aligned
-    assert main(cl(), dout=bf16_rows(2, 64, 300)).startswith("bwd_wide")  # dout time-contiguous
-    assert main(cl(), seq=True).startswith("bwd_dz")
-    assert main(cl(), weight="float32").startswith("bwd_wide")
+    # more k-steps than MMA_CL_STEPS: bwd_mma_cl, on the same conditions
+    assert main(cl(), width=66).startswith("bwd_mma_cl<")
+    for width in (40, 66, 256):
+        assert main(cl(c=60), width=width).startswith("bwd_wide")  # channels not in runs of 8
+        assert main(cl(ptr=(1 << 40) + 2), width=width).startswith("bwd_wide")  # runs off 16 bytes
+        assert main(cl(row=68), width=width).startswith("bwd_wide")  # rows off 16 bytes
+        dout = bf16_rows(2, 64, 300)  # time-contiguous
+        assert main(cl(), dout=dout, width=width).startswith("bwd_wide")
+        assert main(cl(), seq=True, width=width).startswith("bwd_dz")
+        assert main(cl(), weight="float32", width=width).startswith("bwd_wide")
+
+
+@pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))
+def test_channel_last_tensor_core_kernel_plan(monkeypatch, limit):
+    """Channel-contiguous bfloat16 x from MMA_CL_FROM to 256 x row lengths: bwd_mma_cl (KS 10
+    from width 129) where its block fits the opt-in limit (four rings of 32 channels, the
+    staging buffers, the warps' tap tables), else bwd_wide or the general path; pieces a
+    multiple of 128 positions covering the rows, a part each, a grid of at most the resident
+    blocks and the items."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 264)
+    bp = _backward_plan
+    taken = set()
+    for seqlen in (1, 300, 5000):
+        for width in range(bp.MMA_CL_FROM, 257):
+            x = bf16_rows(3, 80, seqlen, strides=(80 * seqlen, 1, 80))
+            plan = bp.plan_backward(x, x, x, width, False, False, "bfloat16", 0)
+            main = plan.launches[0]
+            ks = _launch.mma_steps(width) if width <= 128 else max(_launch.mma_steps(width), 10)
+            d = 16 * (ks - 1)
+            ring = 128 * (2 if d <= 128 else 3)
+            taps_at = 4 * 32 * (2 * ring + 16) + 3 * 128 * 64
+            smem = taps_at + 4 * (8 * (d + 32) + 8) * 4
+            if smem > limit:  # (bwd_wide, or the general path where that does not fit either)
+                assert main.name.split("<")[0] in ("bwd_wide", "bwd_dz"), main.name
+                continue
+            taken.add(ks)
+            where = f"L={seqlen} width {width}"
+            assert main.name == f"bwd_mma_cl<__nv_bfloat16, {ks}>", where
+            assert main.block == (128, 1) and main.smem == smem, where
+            f = dict(zip(bp.MMA_CL.plan_fields, main.plan_fields, strict=True))
+            assert f["taps_at"] == taps_at and taps_at % 16 == 0, where
+            span, pieces = f["span"], f["pieces"]
+            assert span % 128 == 0 and span <= bp.MMA_CL_LONGEST, where
+            assert (pieces - 1) * span < seqlen <= pieces * span, where
+            items = 3 * 3 * pieces  # (channel groups, batch rows, pieces)
+            assert main.grid == min(items, 264), where
+            assert plan.n_parts == 3 * pieces, where
+            assert [s.name.split("<")[0] for s in plan.launches[1:]] == ["bwd_reduce"], where
+    fits = {232448: set(range(6, 18)), 166912: set(range(6, 18)), 101376: set()}  # (66: KS 6)
+    assert taken == fits[limit]
 
 
 def test_tensor_core_plan_only_for_bfloat16_time_rows(monkeypatch):

@@ -424,6 +424,62 @@ def check_non_finite(shape, dtype, layout, width, silu):
         assert not np.isfinite(a[~finite]).any(), name
 
 
+# ---- bwd_mma_cl: channel-contiguous x in steps of 128 positions, dweight's lags in place -----
+
+
+@pytest.fixture
+def cl_cores(monkeypatch):
+    """bwd_mma_cl for every channel-contiguous width from 2 (bwd_mma's channel-last form off)."""
+    yield from forced_route(monkeypatch, "bwd_mma_cl", MMA_CL_FROM=2, MMA_CL_MIN_WIDTH=1000)
+
+
+CL_KERNEL_WIDTHS = (2, 4, 5, 16, 17, 18, 31, 33, 34, 64, 65, 66, 100, 113, 128, 129, 130, 200, 256)
+
+
+@pytest.mark.parametrize("width", CL_KERNEL_WIDTHS)
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+def test_cl_kernel_widths(cl_cores, width, layout):
+    """Every KS (KS 10 from width 129, two lag fragments), a partial channel group (40 of 64),
+    pieces of the rows and their ends."""
+    run_bwd(2, 40, 1300, width, "bfloat16", layout=layout, seed=width)
+
+
+@pytest.mark.parametrize("features", ["nobias-nosilu", "init", "dfinal", "init-dfinal", "buffers"])
+@pytest.mark.parametrize("width", (5, 33, 100, 256))
+def test_cl_kernel_features(cl_cores, features, width):
+    run_bwd(3, 24, 700, width, "bfloat16", layout="cl", seed=width, **features_of(features))
+
+
+@pytest.mark.parametrize("seqlen", (1, 3, 127, 128, 129, 255, 256, 257, 700, 1025, 9000))
+@pytest.mark.parametrize("width", (40, 200))
+def test_cl_kernel_row_lengths(cl_cores, seqlen, width):
+    """Rows shorter than the width (L < K - 1 with states), within one step, cut inside a step,
+    and long rows of many pieces."""
+    run_bwd(2, 16, seqlen, width, "bfloat16", layout="cl", init=True, dfinal=True, seed=seqlen)
+
+
+@pytest.mark.parametrize("width,seqlen", [(17, 500), (64, 250), (256, 500)])
+def test_cl_kernel_single_part(cl_cores, width, seqlen):
+    """One row of one piece: dweight and dbias written by bwd_mma_cl itself."""
+    from cupyconv import _backward_plan
+
+    run_bwd(1, 24, seqlen, width, "bfloat16", layout="cl", buffers=True, init=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    assert plan.n_parts == 1
+    assert [s.name.split("<")[0] for s in plan.launches] == ["bwd_mma_cl", "bwd_states"]
+
+
+@pytest.mark.parametrize("width", (40, 200))
+def test_cl_kernel_repeatable(cl_cores, width):
+    check_repeatable("cl", width)
+
+
+@pytest.mark.parametrize("silu", (True, False), ids=("silu", "none"))
+@pytest.mark.parametrize("width", (33, 100))
+def test_cl_kernel_non_finite_values_reach_only_their_taps(cl_cores, width, silu):
+    check_non_finite((2, 8, 2500), "bfloat16", "cl", width, silu)
+
+
 # ---- bwd_mma_time: time-contiguous rows on 8-byte boundaries, in registers ------------------
 
 
@@ -528,7 +584,7 @@ def wide_path(monkeypatch):
     """bwd_wide for every call without seq_idx, whatever the faster kernels would take."""
     yield from forced_route(
         monkeypatch, "bwd_wide", TIME_MAX_WIDTH=0, CHANNEL_MAX_WIDTH=0, MMA_MIN_WIDTH=1000,
-        MMA_CL_MIN_WIDTH=1000,
+        MMA_CL_MIN_WIDTH=1000, MMA_CL_FROM=1000,
     )  # fmt: skip
 
 

@@ -51,10 +51,10 @@ def forward_families(dtypes) -> dict:
 
 def representative(backward_dtypes=tuple(C_TYPES)) -> dict:
     """Each forward kernel family for each dtype (``forward_families``), and each backward
-    family for ``backward_dtypes`` (widths 4 and 64), with and without seq_idx."""
+    family for ``backward_dtypes`` (widths 4, 64 and 100), with and without seq_idx."""
     return {
         **forward_families(tuple(C_TYPES)),
-        **all_backward_instances(dtypes=backward_dtypes, widths=(4, 64)),
+        **all_backward_instances(dtypes=backward_dtypes, widths=(4, 64, 100)),
     }
 
 
@@ -96,9 +96,9 @@ def test_every_forward_family_compiles(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_every_backward_family_compiles(dtype):
     """bwd_time (short and long rows), bwd_channel and the general kernels at width 4, and
-    (bfloat16) bwd_mma at width 64 and bwd_mma_block at width 100; bwd_channel one channel a
-    lane at width 12 too, an instance the plan takes for every dtype (a 16-bit lane's vector is
-    below cp.async's smallest copy)."""
+    (bfloat16) bwd_mma at width 64, bwd_mma_block and bwd_mma_cl at width 100; bwd_channel one
+    channel a lane at width 12 too, an instance the plan takes for every dtype (a 16-bit lane's
+    vector is below cp.async's smallest copy)."""
     instances = all_backward_instances(dtypes=(dtype,), widths=(4, 64, 100))
     instances[_backward_plan.CHANNEL.source].append(_backward_plan._channel_name(dtype, 12, False))
     for source, names in instances.items():
