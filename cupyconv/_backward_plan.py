@@ -680,7 +680,7 @@ def _cl_name(width: int) -> str:
     return f"bwd_mma_cl<{C_TYPES['bfloat16']}, {_cl_steps(width)}>"
 
 
-def cl_tensor_shared_memory(width: int) -> tuple[int, int]:
+def _cl_shared_memory(width: int) -> tuple[int, int]:
     """bwd_mma_cl's taps_at and bytes a block: its four rings (x, x one position later, dz's
     high and low halves; 32 channels of RING = 128 (LF + 1) positions and 16 bytes, LF = 1 up to
     KS 9, else 2), two x staging buffers and the dout buffer (128 positions of 32 channels), then
@@ -700,7 +700,7 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     where a block does not fit the device)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_cl_steps(width) - 1)
-    taps_at, smem = cl_tensor_shared_memory(width)
+    taps_at, smem = _cl_shared_memory(width)
     if smem > shared_memory_limit(device):
         return None
     warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]

@@ -12,23 +12,71 @@ element type and bank conflicts.
 
 import numpy as np
 import pytest
-from test_mma_model import (
-    CL_CHANNELS as CH,
-)
-from test_mma_model import (
-    Shared,
-    bf16_round,
-    cl_items,
-    conflict_free,
-    ldmatrix,
-    mma,
-    slot_bytes,
-)
+from test_mma_model import conflict_free, mma
 
 from cupyconv import reference
 
 rng = np.random.default_rng(3)
-STEP = 128  # BWD_CL_STEP
+STEP, CH = 128, 32  # BWD_CL_STEP, the channels of a block (8 a warp)
+
+
+def bf16_round(v):
+    """v rounded to bfloat16 (to nearest even), as float64."""
+    import ml_dtypes
+
+    return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+class Shared:
+    """Shared memory as typed elements: each byte offset holds a 2-byte element's value where
+    one starts, so that a read of the wrong type, or of bytes never written, fails."""
+
+    def __init__(self, size):
+        self.size = np.zeros(size, np.int8)  # bytes of the element starting here (0: none)
+        self.value = np.full(size, np.nan)
+
+    def write(self, at, values, itemsize):
+        for e, v in enumerate(values):
+            b = at + itemsize * e
+            self.size[b : b + itemsize] = -1
+            self.size[b], self.value[b] = itemsize, v
+
+    def read(self, at, n, itemsize):
+        got = []
+        for e in range(n):
+            b = at + itemsize * e
+            assert self.size[b] == itemsize, f"{itemsize}-byte read at {b}: not such an element"
+            got.append(self.value[b])
+        return got
+
+
+def cl_items(batch, dim, seqlen, span):
+    """The items in a block's order, channel groups of CH fastest: (batch row, first channel,
+    the piece's start and end)."""
+    pieces, groups = -(-seqlen // span), -(-dim // CH)
+    for item in range(groups * batch * pieces):
+        unit, grp = divmod(item, groups)
+        b, jp = divmod(unit, pieces)
+        yield b, grp * CH, jp * span, min(seqlen, jp * span + span)
+
+
+def slot_bytes(s):
+    """Byte offset of ring slot s in a channel's ring (16-byte halves of 32 swapped where bit 7
+    of the offset is set)."""
+    return 2 * s ^ ((2 * s >> 3) & 16)
+
+
+def ldmatrix(smem, row_bytes, matrices):
+    """ldmatrix.x4 (x2: two matrices) as it lies: per lane (g, tg), matrix q's elements (g, 2 tg)
+    and (g, 2 tg + 1), lanes 8 q + j giving the byte addresses of matrix q's rows j; each
+    matrix's 8 rows free of bank conflicts."""
+    for q in range(matrices):
+        assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
+    rows = [smem.read(a, 8, 2) for a in row_bytes[: 8 * matrices]]
+    return [
+        [rows[8 * q + (lane >> 2)][2 * (lane & 3) + e] for q in range(matrices) for e in (0, 1)]
+        for lane in range(32)
+    ]
 
 
 def silu_grad(z):
@@ -37,7 +85,8 @@ def silu_grad(z):
 
 
 def stmatrix_trans(smem, row_bytes, held):
-    """stmatrix.x4.trans as test_mma_model's, for rows that may hold stale values before."""
+    """stmatrix.x4.trans: matrix q's row j (at the address of lane 8 q + j) gets column j of the
+    matrix the lanes hold as ldmatrix gives it; each matrix's 8 rows free of bank conflicts."""
     for q in range(4):
         assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
         for j in range(8):
