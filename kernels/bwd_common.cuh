@@ -128,6 +128,29 @@ __device__ A dz_at(const T* x, const void* weight, const void* bias, const void*
     return g * silu_grad(z);
 }
 
+// dx of bfloat16 row (b, c) at positions start + o, from <= o < n, each from its own taps and
+// dz computed from scratch (dz_at): the tensor-core kernels' exact path for non-finite values.
+// Out of line: finite inputs never call it.
+template <typename P>
+__device__ __noinline__ void exact_dx(const __nv_bfloat16* x, const void* weight, const void* bias,
+                                      const void* initial_states, const __nv_bfloat16* dout, __nv_bfloat16* dx,
+                                      const P& p, int64 b, int64 c, int64 start, int from, int n) {
+    const int lane = threadIdx.x & 31, width = (int)p.width, wcode = (int)p.weight_dtype;
+    const int64 wc = c * p.weight_c_stride, ws = p.weight_width_stride;
+    __nv_bfloat16* const dxr = dx + b * p.dx_batch_stride + c * p.dx_c_stride;
+    for (int o = from + lane; o < n; o += 32) {
+        const int64 s = start + o;
+        float a = 0.f;
+        for (int k = 0; k < width; ++k) {
+            const int64 t = s + width - 1 - k;
+            if (t < p.seqlen)
+                a += load_as<float>(weight, wcode, wc + k * ws) *
+                     dz_at<float>(x, weight, bias, nullptr, initial_states, dout, p, b, c, t);
+        }
+        dxr[s * p.dx_l_stride] = __float2bfloat16_rn(a);
+    }
+}
+
 // The dfinal_states term of position s >= L-(K-1) (s may be negative when L < K-1): the
 // gradient of final_states[b,c,s-(L-(K-1))] when s is visible from the last token.
 template <typename A, typename P>

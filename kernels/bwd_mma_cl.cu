@@ -60,16 +60,7 @@ __device__ __noinline__ void exact_channel_cl(const __nv_bfloat16* x, const void
                                               const P& p, int64 part, int64 b, int64 c, int64 start, int64 end) {
     const int lane = threadIdx.x & 31, width = (int)p.width;
     auto dz = [&](int64 t) { return dz_at<float>(x, weight, bias, nullptr, initial_states, dout, p, b, c, t); };
-    for (int64 s = start + lane; s < end; s += 32) {
-        float a = 0.f;
-        for (int k = 0; k < width; ++k) {
-            const int64 t = s + width - 1 - k;
-            if (t < p.seqlen)
-                a += load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
-                     dz(t);
-        }
-        dx[b * p.dx_batch_stride + c * p.dx_c_stride + s * p.dx_l_stride] = __float2bfloat16_rn(a);
-    }
+    exact_dx(x, weight, bias, initial_states, dout, dx, p, b, c, start, 0, (int)(end - start));
     for (int k = lane; k <= width; k += 32) {  // (k = width: dbias)
         float a = 0.f;
         for (int64 t = start; t < end; ++t)

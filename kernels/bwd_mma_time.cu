@@ -62,27 +62,8 @@ __device__ __forceinline__ unsigned transposed(unsigned a) {
 
 // The exact path, for chunks with a non-finite value (positions start .. start + n - 1 of row
 // (b, c)), each term from its own taps and dz computed from scratch (dz_at). Out of line: finite
-// inputs never call it.
-// exact_dx: dx at the chunk's positions from `from` on (from < 0: the chunk before's end too).
-template <typename P>
-__device__ __noinline__ void exact_dx(const __nv_bfloat16* x, const void* weight, const void* bias,
-                                      const void* initial_states, const __nv_bfloat16* dout, __nv_bfloat16* dx,
-                                      const P& p, int64 b, int64 c, int64 start, int from, int n) {
-    const int lane = threadIdx.x & 31, width = (int)p.width, wcode = (int)p.weight_dtype;
-    const int64 wc = c * p.weight_c_stride, ws = p.weight_width_stride;
-    __nv_bfloat16* const dxr = dx + b * p.dx_batch_stride + c * p.dx_c_stride;
-    for (int o = from + lane; o < n; o += 32) {
-        const int64 s = start + o;
-        float a = 0.f;
-        for (int k = 0; k < width; ++k) {
-            const int64 t = s + width - 1 - k;
-            if (t < p.seqlen)
-                a += load_as<float>(weight, wcode, wc + k * ws) *
-                     dz_at<float>(x, weight, bias, nullptr, initial_states, dout, p, b, c, t);
-        }
-        dxr[s * p.dx_l_stride] = __float2bfloat16_rn(a);
-    }
-}
+// inputs never call it. exact_dx (bwd_common.cuh): the chunk's dx from `from` on (from < 0: the
+// chunk before's end too).
 // exact_terms: the chunk's dweight terms added to sums[k] by the lane that holds tap k (k = lane +
 // 32 j), and this lane's dbias terms, returned.
 template <int N, typename P>
