@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
     constexpr int D = 16 * (KS - 1), TAB = D + 32;  // (TAB: words of a channel's tap table)
     constexpr int LF = D <= 128 ? 1 : 2;  // dweight's lag fragments (128 lags each)
     constexpr int WARM = LF;  // steps before a unit's first (128 LF >= D positions)
+    constexpr int PAIR = LF == 1 ? 2 : 1;  // channels dweight's products take at a time
     constexpr int RING = STEP * (WARM + 1), RB = 2 * RING + 16;  // positions a ring holds, bytes between rings
     constexpr int ROW = 2 * CH, BUF = STEP * ROW;  // bytes a staged position, a staging buffer
     constexpr int DRAIN = D > STEP - 1 ? D : STEP - 1;  // positions past a unit its steps reach
@@ -287,15 +288,17 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                 for (int cl = 0; cl < 8; ++cl) {
                     unsigned bf[KS + 1][2];
                     b_fragments(bf, ring(0, 8 * warp + cl));
-                    float acc[4];
+                    float acc[4], odd[4];  // the even and the odd k-steps: two MMA chains
                     #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[r] = bias_s[cl];
+                    for (int r = 0; r < 4; ++r) acc[r] = bias_s[cl], odd[r] = 0.f;
                     #pragma unroll
                     for (int s = 0; s < KS; ++s) {
                         const unsigned* const tw = tab + cl * TAB + jb + 16 * s;
                         const unsigned af[4] = {tw[0], tw[-8], tw[8], tw[0]};
-                        MmaOp<T>::run(acc, af, bf[s][0], bf[s][1]);
+                        MmaOp<T>::run(s & 1 ? odd : acc, af, bf[s][0], bf[s][1]);
                     }
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[r] += odd[r];
                     float dz[4];
                     #pragma unroll
                     for (int r = 0; r < 4; ++r) {
@@ -323,7 +326,9 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                 unsigned packed[4][4];  // [place][pair]
                 #pragma unroll
                 for (int pr = 0; pr < 4; ++pr) {
-                    float acc[2][4];
+                    // dz's high and low halves: two MMA chains up to LF 1 (beyond, the low half's
+                    // accumulators would spill)
+                    float acc[2][4], low[2][4];
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int cl = 2 * pr + h;
@@ -331,18 +336,18 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                         b_fragments(bh, ring(2, 8 * warp + cl));
                         b_fragments(bl, ring(3, 8 * warp + cl));
                         #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[h][r] = 0.f;
+                        for (int r = 0; r < 4; ++r) acc[h][r] = low[h][r] = 0.f;
                         #pragma unroll
                         for (int s = 0; s < KS; ++s) {
                             const unsigned* const tw = tab + cl * TAB + D + 29 - jb - 16 * s;
                             const unsigned a0 = __byte_perm(tw[0], 0, 0x1032);
                             const unsigned af[4] = {a0, __byte_perm(tw[8], 0, 0x1032), __byte_perm(tw[-8], 0, 0x1032), a0};
                             MmaOp<T>::run(acc[h], af, bh[s][0], bh[s][1]);
-                            MmaOp<T>::run(acc[h], af, bl[s][0], bl[s][1]);
+                            MmaOp<T>::run(LF == 1 ? low[h] : acc[h], af, bl[s][0], bl[s][1]);
                         }
                     }
                     #pragma unroll
-                    for (int r = 0; r < 4; ++r) packed[r][pr] = pack2<T>(acc[0][r], acc[1][r]);
+                    for (int r = 0; r < 4; ++r) packed[r][pr] = pack2<T>(acc[0][r] + low[0][r], acc[1][r] + low[1][r]);
                 }
                 #pragma unroll
                 for (int r = 0; r < 4; ++r)
@@ -367,27 +372,39 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                 #pragma unroll
                 for (int ni = 0; ni < 8; ++ni) b_at[ni] = slot_bytes(wrap(sbase - 112 + 16 * (ni + j8) + 8 * (m4 & 1)));
                 const bool edge = n0 < 0 || n0 + 15 > m1;  // (a block of the step's B outside the unit)
+                // PAIR channels at a time: two MMA chains a warp, as LF 2 has with its two lag
+                // fragments a channel. (Each channel's low half in its own accumulators as well
+                // spilled hundreds of bytes.)
                 #pragma unroll
-                for (int cl = 0; cl < 8; ++cl) {
-                    unsigned aw[LF][17];
+                for (int c2 = 0; c2 < 8; c2 += PAIR) {
+                    unsigned aw[PAIR][LF][17];
                     #pragma unroll
-                    for (int f = 0; f < LF; ++f)
+                    for (int h = 0; h < PAIR; ++h)
                         #pragma unroll
-                        for (int e = 0; e < 17; ++e) aw[f][e] = *reinterpret_cast<const unsigned*>(xr + cl * RB + a_at[f][e]);
+                        for (int f = 0; f < LF; ++f)
+                            #pragma unroll
+                            for (int e = 0; e < 17; ++e)
+                                aw[h][f][e] = *reinterpret_cast<const unsigned*>(xr + (c2 + h) * RB + a_at[f][e]);
                     #pragma unroll
                     for (int ni = 0; ni < 8; ++ni) {
-                        unsigned bw[4];
-                        ldmatrix_x4(bw, br + cl * RB + b_at[ni]);
+                        unsigned bw[PAIR][4];
+                        #pragma unroll
+                        for (int h = 0; h < PAIR; ++h) ldmatrix_x4(bw[h], br + (c2 + h) * RB + b_at[ni]);
                         if (edge) {
                             const int blk = n0 + ni + g;  // column g's dz block
-                            if (blk < 0 || blk >= m1) bw[0] = bw[1] = bw[2] = bw[3] = 0;
+                            if (blk < 0 || blk >= m1)
+                                #pragma unroll
+                                for (int h = 0; h < PAIR; ++h) bw[h][0] = bw[h][1] = bw[h][2] = bw[h][3] = 0;
                         }
                         #pragma unroll
-                        for (int f = 0; f < LF; ++f) {
-                            const unsigned af[4] = {aw[f][2 * ni + 1], aw[f][2 * ni], aw[f][2 * ni + 2], aw[f][2 * ni + 1]};
-                            MmaOp<T>::run(dw[cl][f], af, bw[0], bw[1]);
-                            MmaOp<T>::run(dw[cl][f], af, bw[2], bw[3]);
-                        }
+                        for (int f = 0; f < LF; ++f)
+                            #pragma unroll
+                            for (int h = 0; h < PAIR; ++h) {
+                                const unsigned af[4] = {aw[h][f][2 * ni + 1], aw[h][f][2 * ni], aw[h][f][2 * ni + 2],
+                                                        aw[h][f][2 * ni + 1]};
+                                MmaOp<T>::run(dw[c2 + h][f], af, bw[h][0], bw[h][1]);
+                                MmaOp<T>::run(dw[c2 + h][f], af, bw[h][2], bw[h][3]);
+                            }
                     }
                 }
             }
