@@ -362,15 +362,16 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
             // dz positions 16 (n + j) + 8 (mq & 1) of ring 2 + mq / 2.
             {
                 const int v = 2 * tg - g, odd = v & 1, n0 = t0 / 16 - 7;
-                const unsigned char* const xr = ring(odd, 8 * warp);
+                // (a_at, b_at: byte offsets from the rings' start, so that each load's address is
+                // one register and a constant)
+                const unsigned xr = (odd * CH + 8 * warp) * RB, br = ((2 + (lane >> 4)) * CH + 8 * warp) * RB;
                 unsigned a_at[LF][17], b_at[8];
                 #pragma unroll
                 for (int f = 0; f < LF; ++f)
                     #pragma unroll
-                    for (int e = 0; e < 17; ++e) a_at[f][e] = slot_bytes(wrap(sbase - 112 - 128 * f + v + odd + 8 * (e - 1)));
-                const unsigned char* const br = ring(2 + (lane >> 4), 8 * warp);
+                    for (int e = 0; e < 17; ++e) a_at[f][e] = xr + slot_bytes(wrap(sbase - 112 - 128 * f + v + odd + 8 * (e - 1)));
                 #pragma unroll
-                for (int ni = 0; ni < 8; ++ni) b_at[ni] = slot_bytes(wrap(sbase - 112 + 16 * (ni + j8) + 8 * (m4 & 1)));
+                for (int ni = 0; ni < 8; ++ni) b_at[ni] = br + slot_bytes(wrap(sbase - 112 + 16 * (ni + j8) + 8 * (m4 & 1)));
                 const bool edge = n0 < 0 || n0 + 15 > m1;  // (a block of the step's B outside the unit)
                 // PAIR channels at a time: two MMA chains a warp, as LF 2 has with its two lag
                 // fragments a channel. (Each channel's low half in its own accumulators as well
@@ -384,12 +385,12 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                         for (int f = 0; f < LF; ++f)
                             #pragma unroll
                             for (int e = 0; e < 17; ++e)
-                                aw[h][f][e] = *reinterpret_cast<const unsigned*>(xr + (c2 + h) * RB + a_at[f][e]);
+                                aw[h][f][e] = *reinterpret_cast<const unsigned*>(rings + a_at[f][e] + (c2 + h) * RB);
                     #pragma unroll
                     for (int ni = 0; ni < 8; ++ni) {
                         unsigned bw[PAIR][4];
                         #pragma unroll
-                        for (int h = 0; h < PAIR; ++h) ldmatrix_x4(bw[h], br + (c2 + h) * RB + b_at[ni]);
+                        for (int h = 0; h < PAIR; ++h) ldmatrix_x4(bw[h], rings + b_at[ni] + (c2 + h) * RB);
                         if (edge) {
                             const int blk = n0 + ni + g;  // column g's dz block
                             if (blk < 0 || blk >= m1)
