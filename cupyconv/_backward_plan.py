@@ -63,6 +63,7 @@ CONSTANTS = {
     "REDUCE_WARPS": 8,  # bwd_reduce: warps a block (warp w: parts w, w + 8, ...)
     "BWD_CL_WARPS": 4,  # bwd_mma_cl: warps a block, 8 channels each
     "BWD_CL_STEP": 128,  # bwd_mma_cl: positions a step (8 columns of 16 outputs)
+    "BWD_CL_DX_FROM": 10,  # bwd_mma_cl: from this KS on, BWD_CL_WARPS more warps a block for dx
 }
 # bwd_reduce: a thread adds REDUCE_SUMS of the call's dim (width + 1) sums where there are more
 # than REDUCE_MANY (about one wave of 32-sum blocks on the H200), else one. Four a thread made
@@ -705,7 +706,8 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
         return None
     warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]
     name, groups = _cl_name(width), -(-dim // (8 * warps))
-    resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
+    threads = 32 * warps * (2 if _cl_steps(width) >= CONSTANTS["BWD_CL_DX_FROM"] else 1)
+    resident = resident_blocks(device, MMA_CL.source, name, threads, smem)
 
     def items(span):  # (channel groups, pieces of the rows)
         return groups * batch * -(-seqlen // span)
@@ -718,7 +720,7 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     span = max(s for s in spans if time(s) <= MMA_CL_SLACK * least)
     pieces = -(-seqlen // span)
     launch = MMA_CL.launch(
-        name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem, span=span,
+        name, min(items(span), resident, MAX_GRID), (threads, 1), smem, span=span,
         pieces=pieces, group_divisor=fast_divisor(groups), piece_divisor=fast_divisor(pieces),
         taps_at=taps_at,
     )  # fmt: skip

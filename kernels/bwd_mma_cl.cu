@@ -34,6 +34,14 @@
 // The unit's last steps compute z and dz past its end (the next piece's first D, which the unit's
 // dx needs) and the dweight products of its last blocks.
 //
+// From BWD_CL_DX_FROM k-steps on (one block an SM, so that four warps would leave each scheduler
+// one), the block has four more warps, w + 4 computing step 3 for warp w's channels (its tap
+// table, its dz rings) while warp w computes step 4: the moves end at a barrier of warps 0-3 (1),
+// a barrier of all follows step 2, the dx warps' own barrier (2) precedes their stores, and a
+// barrier of all ends the step (before the next one writes the rings and the staging buffer).
+// The MMAs of z (even and odd k-steps), of dx (dz's halves, up to LF 1) and of dweight (two
+// channels at a time, up to LF 1) are kept in two independent chains each.
+//
 // Bank conflicts: the rings and the x staging buffer are laid out as fwd_mma_cl's (its copies,
 // moves and B loads); dout is read and dx written as a whole 16-byte slot a lane and place (the
 // staging buffer's rotation keeps each quarter warp's 8 slots in 8 bank groups); the A words of
@@ -47,8 +55,11 @@
 #include "bwd_common.cuh"
 #include "mma_common.cuh"
 
-// Blocks an SM: the shared memory holds two up to KS 9, one beyond.
-__host__ __device__ constexpr int bwd_cl_blocks(int ks) { return ks <= 9 ? 2 : 1; }
+// From BWD_CL_DX_FROM k-steps on, a block has BWD_CL_WARPS more warps that compute dx (one
+// block an SM: the shared memory holds two up to KS 9, one beyond).
+__host__ __device__ constexpr bool bwd_cl_dx_warps(int ks) { return ks >= BWD_CL_DX_FROM; }
+__host__ __device__ constexpr int bwd_cl_threads(int ks) { return 32 * BWD_CL_WARPS * (bwd_cl_dx_warps(ks) ? 2 : 1); }
+__host__ __device__ constexpr int bwd_cl_blocks(int ks) { return ks <= 9 && !bwd_cl_dx_warps(ks) ? 2 : 1; }
 
 // The item's terms of channel c from their own taps (dz_at), for a warp whose sums were not
 // finite: dx at positions start .. end - 1 of row b, and its dweight and dbias sums over the dz
@@ -70,7 +81,7 @@ __device__ __noinline__ void exact_channel_cl(const __nv_bfloat16* x, const void
 }
 
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
+__global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
     bwd_mma_cl(BWD_ARRAYS, const __grid_constant__ BwdMmaClParams p) {
     wait_for_previous_kernel();
     static_assert(same_type<T, __nv_bfloat16>, "bwd_mma_cl takes bfloat16 x");
@@ -80,6 +91,7 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
     constexpr int LF = D <= 128 ? 1 : 2;  // dweight's lag fragments (128 lags each)
     constexpr int WARM = LF;  // steps before a unit's first (128 LF >= D positions)
     constexpr int PAIR = LF == 1 ? 2 : 1;  // channels dweight's products take at a time
+    constexpr bool DXW = bwd_cl_dx_warps(KS);  // dx has warps of its own
     constexpr int RING = STEP * (WARM + 1), RB = 2 * RING + 16;  // positions a ring holds, bytes between rings
     constexpr int ROW = 2 * CH, BUF = STEP * ROW;  // bytes a staged position, a staging buffer
     constexpr int DRAIN = D > STEP - 1 ? D : STEP - 1;  // positions past a unit its steps reach
@@ -92,7 +104,10 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
     unsigned char* const rings = smem_raw;
     unsigned char* const xstage = smem_raw + 4 * CH * RB;
     unsigned char* const dstage = xstage + 2 * BUF;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    // warp: the block's warp, or with DXW its channel group (warps 4 .. 7 computing dx of warps
+    // 0 .. 3's channels, dxw)
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % BWD_CL_WARPS, g = lane >> 2, tg = lane & 3;
+    const bool dxw = DXW && threadIdx.x >= 32 * BWD_CL_WARPS;
     // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
     // width + k] = w[k] (zeros around them), then the 8 biases; as fwd_mma_cl's. z's A words:
     // tab[jb + 16 s + {0, -8, 8}]; dx's (the reversed taps Q[15 + d] = w[K - 1 - d] = P[D + 30 -
@@ -125,30 +140,32 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
         const int n_copies = WARM + (len + DRAIN + STEP - 1) / STEP;
 
         // The taps of channels cw + cl, as fwd_mma_cl loads them (lane (cl, k0) takes taps k0, k0 +
-        // 4, ..).
-        __syncwarp();  // the previous item's readers are done
-        #pragma unroll
-        for (int i = lane; i < 2 * TAB; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
-        {
-            constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
-            const int cl = lane >> 2, k0 = lane & 3;
-            const bool live = cw + cl < dim;
-            const int64 wrow = live ? (cw + cl) * p.weight_c_stride : 0;
-            unsigned short w[PER_LANE];
+        // 4, ..); a dx warp reads its channels' table once the step's first barrier is passed.
+        __syncwarp();  // the previous item's readers are done (the dx warps: the item's last barrier)
+        if (!dxw) {
             #pragma unroll
-            for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
-                w[r] = live && k < width ? static_cast<const unsigned short*>(weight)[wrow + k * p.weight_width_stride] : 0;
+            for (int i = lane; i < 2 * TAB; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
+            {
+                constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
+                const int cl = lane >> 2, k0 = lane & 3;
+                const bool live = cw + cl < dim;
+                const int64 wrow = live ? (cw + cl) * p.weight_c_stride : 0;
+                unsigned short w[PER_LANE];
+                #pragma unroll
+                for (int r = 0; r < PER_LANE; ++r) {
+                    const int k = k0 + 4 * r;
+                    w[r] = live && k < width ? static_cast<const unsigned short*>(weight)[wrow + k * p.weight_width_stride] : 0;
+                }
+                __syncwarp();  // the table is zeroed
+                unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * TAB + D + 16 - width);
+                #pragma unroll
+                for (int r = 0; r < PER_LANE; ++r) {
+                    const int k = k0 + 4 * r;
+                    if (k < width) half[2 * k] = half[2 * k - 1] = w[r];
+                }
             }
-            __syncwarp();  // the table is zeroed
-            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * TAB + D + 16 - width);
-            #pragma unroll
-            for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
-                if (k < width) half[2 * k] = half[2 * k - 1] = w[r];
-            }
+            if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
         }
-        if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
         __syncwarp();
 
         // Copy a of x: positions 128 (a - WARM) + 32 warp + 8 r + j8 of the unit (r < 4), this
@@ -207,46 +224,54 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
         }
 
         // Two groups committed a step: x of the next step, then dout of the next step (empty
-        // where there is none).
-        copy_x(0);
-        cp_async_commit();
-        cp_async_commit();  // (step 0 is a warm-up step: no dout)
+        // where there is none). With DXW a step is: the first warps' moves (their barrier), z
+        // and dz; a barrier of all; the first warps' dweight while the dx warps compute dx and
+        // store it (their barrier between); a barrier of all, after which the rings and the
+        // staging buffer may be written again.
+        if (!dxw) {
+            copy_x(0);
+            cp_async_commit();
+            cp_async_commit();  // (step 0 is a warm-up step: no dout)
+        }
         #pragma unroll 1
         for (int a = 0; a < n_copies; ++a) {
             const int buf = a & 1, sbase = (STEP * a) % RING;
-            if (a + 1 < n_copies) copy_x(a + 1);
-            cp_async_commit();
-            cp_async_wait<1>();  // x and dout of this step have landed
-            __syncwarp();
+            if (!dxw) {
+                if (a + 1 < n_copies) copy_x(a + 1);
+                cp_async_commit();
+                cp_async_wait<1>();  // x and dout of this step have landed
+                __syncwarp();
 
-            // This warp's positions 32 warp + 8 r + j into the rings: matrix m4 of ldmatrix (lanes
-            // 8 m4 + j address its rows) = 8 positions x channels 8 m4 .., stored transposed (row j
-            // = channel 8 m4 + j); the odd ring gets each lane's rows one position later (lane (g,
-            // tg) the row of lane (g - 1, tg), g = 0 the last of the previous 8, r > 0).
-            {
-                unsigned prev[4];
-                #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int at = 32 * warp + 8 * r;
-                    unsigned w[4], o[4];
-                    ldmatrix_x4(w, xslot(buf, at + j8, m4));
-                    unsigned char* const row = ring(0, 8 * m4 + j8) + slot_bytes(wrap(sbase + at));
-                    stmatrix_x4_trans(w, row);
+                // This warp's positions 32 warp + 8 r + j into the rings: matrix m4 of ldmatrix (lanes
+                // 8 m4 + j address its rows) = 8 positions x channels 8 m4 .., stored transposed (row j
+                // = channel 8 m4 + j); the odd ring gets each lane's rows one position later (lane (g,
+                // tg) the row of lane (g - 1, tg), g = 0 the last of the previous 8, r > 0).
+                {
+                    unsigned prev[4];
                     #pragma unroll
-                    for (int m = 0; m < 4; ++m) o[m] = __shfl_sync(0xffffffffu, g == 7 && r > 0 ? prev[m] : w[m], (lane + 28) & 31);
-                    stmatrix_x4_trans(o, row + CH * RB);
-                    #pragma unroll
-                    for (int m = 0; m < 4; ++m) prev[m] = w[m];
+                    for (int r = 0; r < 4; ++r) {
+                        const int at = 32 * warp + 8 * r;
+                        unsigned w[4], o[4];
+                        ldmatrix_x4(w, xslot(buf, at + j8, m4));
+                        unsigned char* const row = ring(0, 8 * m4 + j8) + slot_bytes(wrap(sbase + at));
+                        stmatrix_x4_trans(w, row);
+                        #pragma unroll
+                        for (int m = 0; m < 4; ++m) o[m] = __shfl_sync(0xffffffffu, g == 7 && r > 0 ? prev[m] : w[m], (lane + 28) & 31);
+                        stmatrix_x4_trans(o, row + CH * RB);
+                        #pragma unroll
+                        for (int m = 0; m < 4; ++m) prev[m] = w[m];
+                    }
                 }
+                if constexpr (DXW) named_barrier(1, 32 * BWD_CL_WARPS);  // the rings hold the step's positions
+                else __syncthreads();
+                {  // the odd ring's positions t0 + 32 q (q < 4) of this warp's channels: x[t0 + 32 q - 1]
+                    const int cl = lane >> 2, q = lane & 3;
+                    const unsigned short v = *reinterpret_cast<const unsigned short*>(
+                        ring(0, 8 * warp + cl) + slot_bytes(wrap(sbase + 32 * q - 1)));
+                    *reinterpret_cast<unsigned short*>(ring(1, 8 * warp + cl) + slot_bytes(wrap(sbase + 32 * q))) = v;
+                }
+                __syncwarp();
             }
-            __syncthreads();  // the rings hold the step's positions
-            {  // the odd ring's positions t0 + 32 q (q < 4) of this warp's channels: x[t0 + 32 q - 1]
-                const int cl = lane >> 2, q = lane & 3;
-                const unsigned short v = *reinterpret_cast<const unsigned short*>(
-                    ring(0, 8 * warp + cl) + slot_bytes(wrap(sbase + 32 * q - 1)));
-                *reinterpret_cast<unsigned short*>(ring(1, 8 * warp + cl) + slot_bytes(wrap(sbase + 32 * q))) = v;
-            }
-            __syncwarp();
 
             const int t0 = STEP * (a - WARM);
             // z and dz at the step's positions, place r of lane (g, tg) position i(r) = 32 tg + 16 (r
@@ -277,7 +302,7 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                     }
                 }
             };
-            if (a >= WARM) {
+            if (!dxw && a >= WARM) {
                 uint4 dv[4];  // dout of the warp's 8 channels at the lane's places (pair q: word q)
                 #pragma unroll
                 for (int r = 0; r < 4; ++r) dv[r] = *reinterpret_cast<const uint4*>(dslot(place(r), warp));
@@ -316,13 +341,16 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                     stmatrix_x4_trans(parts, dz_row + cl * RB);
                 }
             }
-            __syncwarp();  // this step's dout is read, its dz in the rings
-            if (a + 1 >= WARM && a + 1 < n_copies) copy_dout(a + 1);
-            cp_async_commit();
+            if (!dxw) {
+                __syncwarp();  // this step's dout is read, its dz in the rings
+                if (a + 1 >= WARM && a + 1 < n_copies) copy_dout(a + 1);
+                cp_async_commit();
+            }
             if (a < WARM) continue;
+            if constexpr (DXW) __syncthreads();  // the step's dz is in the rings
 
             // dx at positions t0 - D + place(r): packed by channel pairs, a 16-byte slot a place.
-            {
+            if (!DXW || dxw) {
                 unsigned packed[4][4];  // [place][pair]
                 #pragma unroll
                 for (int pr = 0; pr < 4; ++pr) {
@@ -360,7 +388,7 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
             // e + 1 of aw[f] (a0 of block ni: word 2 ni + 1, a1: 2 ni, a2: 2 ni + 2, a3 = a0), from
             // the x ring (even v) or the odd ring's slot u + 1 (odd v). B: lane 8 mq + j addresses
             // dz positions 16 (n + j) + 8 (mq & 1) of ring 2 + mq / 2.
-            {
+            if (!dxw) {
                 const int v = 2 * tg - g, odd = v & 1, n0 = t0 / 16 - 7;
                 // (a_at, b_at: byte offsets from the rings' start, so that each load's address is
                 // one register and a constant)
@@ -409,10 +437,11 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                     }
                 }
             }
-            __syncthreads();  // dx is in the staging buffer
+            if constexpr (!DXW) __syncthreads();  // dx is in the staging buffer
+            else if (dxw) named_barrier(2, 32 * BWD_CL_WARPS);
 
             // dx out: this thread's positions t0 - D + 32 warp + 8 r + j8, piece m4, those in the unit.
-            {
+            if (!DXW || dxw) {
                 const int rel0 = t0 - D + 32 * warp + j8;
                 const int64 c = c0 + 8 * m4;
                 T* const da = dx + b * p.dx_batch_stride + c + (start + rel0) * p.dx_l_stride;
@@ -425,11 +454,14 @@ __global__ void __launch_bounds__(32 * BWD_CL_WARPS, bwd_cl_blocks(KS))
                             *reinterpret_cast<const uint4*>(xslot(buf, 32 * warp + 8 * r + j8, m4));
                 }
             }
+            if constexpr (DXW) __syncthreads();  // the dx warps are done with the step's dz and staging buffer
         }
         cp_async_wait<0>();  // (the last, empty groups)
         __syncthreads();  // every dx of the item is out
 
-        // The item's sums, part U: C_f's element r has the lag 128 f + place(r).
+        // The item's sums, part U: C_f's element r has the lag 128 f + place(r). (The dx warps
+        // hold none.)
+        if (dxw) continue;
         if (__any_sync(0xffffffffu, !isfinite(sums))) {
             #pragma unroll 1
             for (int cl = 0; cl < 8; ++cl)

@@ -101,6 +101,11 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Barrier `id` (1 .. 15; __syncthreads is 0) of `threads` threads of the block, whole warps.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with it (the plan's Launch.pdl) may
 // be scheduled while the kernel before it in the stream finishes, and waits here, before it
 // touches memory, until that kernel has completed and its writes are visible. Without it, and

@@ -510,7 +510,8 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
 def test_channel_last_tensor_core_kernel_plan(monkeypatch, limit):
     """Channel-contiguous bfloat16 x from MMA_CL_FROM to 256 x row lengths: bwd_mma_cl (KS 10
     from width 129) where its block fits the opt-in limit (four rings of 32 channels, the
-    staging buffers, the warps' tap tables), else bwd_wide or the general path; pieces a
+    staging buffers, the warps' tap tables; 4 warps, 8 from BWD_CL_DX_FROM k-steps), else
+    bwd_wide or the general path; pieces a
     multiple of 128 positions covering the rows, a part each, a grid of at most the resident
     blocks and the items."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
@@ -534,7 +535,8 @@ def test_channel_last_tensor_core_kernel_plan(monkeypatch, limit):
             taken.add(ks)
             where = f"L={seqlen} width {width}"
             assert main.name == f"bwd_mma_cl<__nv_bfloat16, {ks}>", where
-            assert main.block == (128, 1) and main.smem == smem, where
+            threads = 256 if ks >= bp.CONSTANTS["BWD_CL_DX_FROM"] else 128  # (dx's own warps)
+            assert main.block == (threads, 1) and main.smem == smem, where
             f = dict(zip(bp.MMA_CL.plan_fields, main.plan_fields, strict=True))
             assert f["taps_at"] == taps_at and taps_at % 16 == 0, where
             span, pieces = f["span"], f["pieces"]
