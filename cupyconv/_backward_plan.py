@@ -696,9 +696,10 @@ def _cl_shared_memory(width: int) -> tuple[int, int]:
 
 
 def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
-    """A persistent grid of BWD_CL_WARPS-warp blocks, each taking items (32 channels of a piece
-    of ``span`` positions of a batch row, channel group fastest) in turn; one part a piece (None
-    where a block does not fit the device)."""
+    """A persistent grid of BWD_CL_WARPS-warp blocks (twice as many warps from BWD_CL_DX_FROM
+    k-steps: dx's own), each taking items (32 channels of a piece of ``span`` positions of a
+    batch row, channel group fastest) in turn; one part a piece (None where a block does not fit
+    the device)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_cl_steps(width) - 1)
     taps_at, smem = _cl_shared_memory(width)
