@@ -100,6 +100,24 @@ class Source:
 _lock = threading.Lock()
 _kernels: dict[tuple[int, str, str], tuple] = {}
 
+# The kernels take cp.async and bfloat16 tensor-core MMAs: compute capability 8.0 and newer.
+MIN_CAPABILITY = 80
+
+
+def _check_capability(cupy, device: int) -> None:
+    """RuntimeError, naming the GPU, where ``device`` is older than MIN_CAPABILITY (its compile
+    would fail in ptxas, or NVRTC would not know the architecture)."""
+    capability = int(cupy.cuda.Device(device).compute_capability)
+    if capability < MIN_CAPABILITY:
+        name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        raise RuntimeError(
+            f"cupyconv's kernels need a GPU of compute capability "
+            f"{MIN_CAPABILITY // 10}.{MIN_CAPABILITY % 10} or newer; device {device} ({name}) "
+            f"has {capability // 10}.{capability % 10}. CPU arrays (numpy, or torch / JAX on "
+            "the CPU) take the float64 reference path"
+        )
+
 
 def _load(source: Source, name: str, device: int) -> tuple:
     """(cupy.cuda.Function, cupy.RawKernel) of template instance ``name`` of ``source`` on
@@ -112,6 +130,7 @@ def _load(source: Source, name: str, device: int) -> tuple:
             if loaded is None:
                 import cupy
 
+                _check_capability(cupy, device)
                 with cupy.cuda.Device(device):
                     module = cupy.RawModule(
                         code=source.text, options=OPTIONS, name_expressions=(name,)

@@ -23,11 +23,13 @@ class FakeCupy(types.ModuleType):
     def __init__(self):
         super().__init__("cupy")
         self.built = []
+        self.capability = "90"
         outer = self
 
         class Device:
             def __init__(self, index):
                 self.index = index
+                self.compute_capability = outer.capability
 
             def __enter__(self):
                 return self
@@ -45,8 +47,12 @@ class FakeCupy(types.ModuleType):
                 assert name in self.names
                 return types.SimpleNamespace(kernel=("kernel", name))
 
+        def getDeviceProperties(index):  # noqa: N802 (CUDA's name)
+            return {"name": b"Tesla T4"}
+
         self.RawModule = RawModule
-        self.cuda = types.SimpleNamespace(Device=Device)
+        runtime = types.SimpleNamespace(getDeviceProperties=getDeviceProperties)
+        self.cuda = types.SimpleNamespace(Device=Device, runtime=runtime)
 
 
 @pytest.fixture
@@ -55,6 +61,22 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(_compile, "_kernels", {})
     return fake
+
+
+def test_gpus_older_than_compute_capability_8_are_refused_before_any_compile(fake_cupy):
+    """A GPU below compute capability 8.0 (no cp.async, no bfloat16 MMAs) gets one clear
+    error naming it on the first kernel it would need, before NVRTC runs."""
+    fake_cupy.capability = "75"
+    with pytest.raises(RuntimeError) as err:
+        _compile.get_kernel(TIME, "fwd_time<float, 4, false, 8, 1>", 0)
+    assert str(err.value) == (
+        "cupyconv's kernels need a GPU of compute capability 8.0 or newer; device 0 (Tesla T4) "
+        "has 7.5. CPU arrays (numpy, or torch / JAX on the CPU) take the float64 reference path"
+    )
+    assert fake_cupy.built == [] and _compile._kernels == {}
+    fake_cupy.capability = "80"
+    _compile.get_kernel(TIME, "fwd_time<float, 4, false, 8, 1>", 0)
+    assert fake_cupy.built == [("fwd_time<float, 4, false, 8, 1>",)]
 
 
 def test_racing_threads_compile_once(fake_cupy):
