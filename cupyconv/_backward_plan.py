@@ -681,6 +681,13 @@ def _cl_name(width: int) -> str:
     return f"bwd_mma_cl<{C_TYPES['bfloat16']}, {_cl_steps(width)}>"
 
 
+def cl_threads(ks: int) -> int:
+    """bwd_mma_cl's threads a block at KS k-steps: BWD_CL_WARPS warps, twice as many from
+    BWD_CL_DX_FROM (dx's own; ``bwd_cl_threads`` in its source)."""
+    more = 2 if ks >= CONSTANTS["BWD_CL_DX_FROM"] else 1
+    return 32 * CONSTANTS["BWD_CL_WARPS"] * more
+
+
 def _cl_shared_memory(width: int) -> tuple[int, int]:
     """bwd_mma_cl's taps_at and bytes a block: its four rings (x, x one position later, dz's
     high and low halves; 32 channels of RING = 128 (LF + 1) positions and 16 bytes, LF = 1 up to
@@ -707,7 +714,7 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
         return None
     warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]
     name, groups = _cl_name(width), -(-dim // (8 * warps))
-    threads = 32 * warps * (2 if _cl_steps(width) >= CONSTANTS["BWD_CL_DX_FROM"] else 1)
+    threads = cl_threads(_cl_steps(width))
     resident = resident_blocks(device, MMA_CL.source, name, threads, smem)
 
     def items(span):  # (channel groups, pieces of the rows)

@@ -511,9 +511,8 @@ def test_channel_last_tensor_core_kernel_plan(monkeypatch, limit):
     """Channel-contiguous bfloat16 x from MMA_CL_FROM to 256 x row lengths: bwd_mma_cl (KS 10
     from width 129) where its block fits the opt-in limit (four rings of 32 channels, the
     staging buffers, the warps' tap tables; 4 warps, 8 from BWD_CL_DX_FROM k-steps), else
-    bwd_wide or the general path; pieces a
-    multiple of 128 positions covering the rows, a part each, a grid of at most the resident
-    blocks and the items."""
+    bwd_wide or the general path; pieces a multiple of 128 positions covering the rows, a part
+    each, a grid of at most the resident blocks and the items."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: limit)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 264)

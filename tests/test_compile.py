@@ -17,6 +17,7 @@ the bfloat16 backward, the update of every dtype, and varlen.
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -226,6 +227,18 @@ def test_instance_table_covers_every_width():
         assert all(
             source.file == name.split("<")[0] + ".cu" for name in group if "final" not in name
         )
+
+
+def test_channel_last_tensor_core_backward_blocks_are_the_plans():
+    """bwd_mma_cl's block size at KS 6, 9, 10 and 17, both sides of BWD_CL_DX_FROM (its launch
+    bounds: .maxntid in the PTX), is the one its plan launches with (``cl_threads``)."""
+    names = [f"bwd_mma_cl<__nv_bfloat16, {ks}>" for ks in (6, 9, 10, 17)]
+    ptx = compile_offline(_backward_plan.MMA_CL.source, names, "compute_90").decode()
+    bounds = re.findall(r"\.entry (\w+)\(.*?\.maxntid (\d+), 1, 1", ptx, re.S)
+    assert len(bounds) == len(names)
+    for entry, threads in bounds:
+        ks = int(re.search(r"bwd_mma_clI13__nv_bfloat16Li(\d+)E", entry)[1])
+        assert int(threads) == _backward_plan.cl_threads(ks), entry
 
 
 def test_programmatic_dependent_launches_wait_before_touching_memory():
