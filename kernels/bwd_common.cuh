@@ -85,8 +85,7 @@ __device__ __forceinline__ void write_warp_sums(A* partials, void* dweight, void
 // (exp(-z) = inf gives sigmoid 0), then r + r (z - z r) in two FMAs (6 instructions); double:
 // exact.
 __device__ __forceinline__ float silu_grad(float z) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + __expf(-z)));
+    const float r = rcp_approx(1.0f + __expf(-z));
     return fmaf(r, fmaf(-z, r, z), r);
 }
 __device__ __forceinline__ double silu_grad(double z) {
@@ -102,9 +101,7 @@ __device__ __forceinline__ double silu_grad(double z) {
 // silu_grad's with its exp scale since silu_grad ends in two FMAs (the frame saved one before).
 __device__ __forceinline__ float silu_grad_scaled(float zs) {
     constexpr float ln2 = 0.6931471805599453f, ln2_sq = 0.4804530139182014f;
-    float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(zs));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+    const float r = rcp_approx(1.0f + ex2_approx(zs));
     // r (1 + z (1 - r)) / scale = r (z' (1 - r) ln2^2 - ln2)
     return r * fmaf(zs, fmaf(r, -ln2_sq, ln2_sq), -ln2);
 }

@@ -65,21 +65,6 @@ using bf16 = __nv_bfloat16;
 
 template <int N> struct Count { static constexpr int value = N; };
 
-// 4-byte shared-memory accesses at an address as smem_address gives it.
-__device__ __forceinline__ void st_shared32(unsigned at, unsigned v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
-}
-// A 16-byte global store (v4 even where the compiler cannot see the address's alignment).
-__device__ __forceinline__ void st_global16(void* at, uint4 v) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-__device__ __forceinline__ unsigned ld_shared32(unsigned at) {
-    unsigned v;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
-    return v;
-}
-
 // The A fragments of a banded Toeplitz matrix whose band starts `shift` inputs into the window
 // (fragment_offset), lane l's four words of k-step s at frag[32 s + l]: k-steps first, first +
 // step, ... (a block's warps share the work).

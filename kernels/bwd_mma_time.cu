@@ -52,14 +52,6 @@
 #include "bwd_common.cuh"
 #include "mma_common.cuh"
 
-// The 8 x 8 matrix of 16-bit values whose fragment a is (lane (g, tg): row g, columns 2 tg and
-// 2 tg + 1), transposed, as the same fragment.
-__device__ __forceinline__ unsigned transposed(unsigned a) {
-    unsigned d;
-    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
-    return d;
-}
-
 // The exact path, for chunks with a non-finite value (positions start .. start + n - 1 of row
 // (b, c)), each term from its own taps and dz computed from scratch (dz_at). Out of line: finite
 // inputs never call it. exact_dx (bwd_common.cuh): the chunk's dx from `from` on (from < 0: the
@@ -87,12 +79,6 @@ __device__ __noinline__ float exact_terms(const __nv_bfloat16* x, const void* we
     return db;
 }
 
-// An 8-byte global store of two words, where `on`.
-__device__ __forceinline__ void st_global8(void* at, unsigned lo, unsigned hi, bool on = true) {
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %3, 0; @p st.global.v2.b32 [%0], {%1, %2}; }\n" ::"l"(at), "r"(lo),
-                 "r"(hi), "r"((int)on)
-                 : "memory");
-}
 // The warps an SM bwd_mma_time's register budget is set for, by k-steps (benchmarks/NOTES.md,
 // "bwd_mma_time's chunks staged by cp.async").
 __host__ __device__ constexpr int mma_time_warps_per_sm(int KS) {

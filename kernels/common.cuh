@@ -4,8 +4,7 @@
 // parameter (weight, bias, states, seq_idx) are passed as `const void*` with a dtype code and
 // read through load_as<>(), so one kernel instance serves every combination of those dtypes.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "ptx.cuh"
 
 typedef long long int64;
 
@@ -65,56 +64,6 @@ __device__ __forceinline__ A bits_as(unsigned long long u, int code) {
     }
 }
 
-// Staging through shared memory with cp.async (sm_80 and newer): the copy does not pass through
-// registers, so a warp keeps several pieces of x in flight while it computes an earlier one.
-
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-// Copies the first `bytes` (0..BYTES) of the BYTES at src into dst and zero-fills the rest;
-// both addresses BYTES-aligned. PREFETCH (0 or 128): whether a miss in L2 brings in the whole
-// 128-byte line around src, not just the sectors read. Taken where it measured level or better
-// (benchmarks/NOTES.md, "cp.async's L2 prefetch"): most of all by fwd_mma_cl, whose blocks read
-// 64-byte runs of a position's channels that neighbouring blocks complete soon after (the line
-// then comes from DRAM once, in one burst), not by bwd_mma's channel-last form (15 % slower).
-template <int BYTES, int PREFETCH = 0>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
-    static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
-    // .cg (L2 only) takes 16-byte copies, .ca the others.
-#define CP_ASYNC(LEVEL, HINT)                                                                      \
-    asm volatile("cp.async." LEVEL ".shared.global" HINT " [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)), \
-                 "l"(src), "n"(BYTES), "r"(bytes) : "memory")
-    if constexpr (BYTES == 16 && PREFETCH) CP_ASYNC("cg", ".L2::128B");
-    else if constexpr (BYTES == 16) CP_ASYNC("cg", "");
-    else if constexpr (PREFETCH) CP_ASYNC("ca", ".L2::128B");
-    else CP_ASYNC("ca", "");
-#undef CP_ASYNC
-}
-// cp_async<16> of a whole vector to a shared-memory address as smem_address gives it.
-__device__ __forceinline__ void cp_async_shared16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Barrier `id` (1 .. 15; __syncthreads is 0) of `threads` threads of the block, whole warps.
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Programmatic dependent launch (sm_90): a kernel launched with it (the plan's Launch.pdl) may
-// be scheduled while the kernel before it in the stream finishes, and waits here, before it
-// touches memory, until that kernel has completed and its writes are visible. Without it, and
-// below sm_90, a no-op.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // This warp's index in the grid and the number of warps in it.
 __device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
@@ -290,10 +239,7 @@ __device__ __forceinline__ A act_scale(int silu_act) {
 }
 __device__ __forceinline__ float silu_scaled(float a) {
     constexpr float s = SILU_SCALE;
-    float e, r, z;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(a));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, s, s)));
-    asm("fma.rn.ftz.f32 %0, %1, %2, 0f00000000;" : "=f"(z) : "f"(a), "f"(r));
+    const float z = mul_plus_zero(a, rcp_approx(fmaf(ex2_approx(a), s, s)));
     return z;  // z = -inf: a = inf, 2^a = inf, r = -0, NaN (as z / (1 + exp(-z)))
 }
 __device__ __forceinline__ double silu_scaled(double z) { return silu(z); }

@@ -3,21 +3,16 @@
 #pragma once
 #include "common.cuh"
 
-// acc += A B for one m16n8k16 MMA of 16-bit TYPE ("bf16" or "f16") operands, float32 accumulator.
-#define MMA_SYNC(TYPE, acc, a, b0, b1)                                                           \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                         \
-                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                     \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+// acc += A B for one m16n8k16 MMA of 16-bit T operands (ptx.cuh), float32 accumulator.
 template <typename T> struct MmaOp;
 template <> struct MmaOp<__nv_bfloat16> {
     static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        MMA_SYNC("bf16", c, a, b0, b1);
+        mma_bf16(c, a, b0, b1);
     }
 };
 template <> struct MmaOp<__half> {
     static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        MMA_SYNC("f16", c, a, b0, b1);
+        mma_f16(c, a, b0, b1);
     }
 };
 
@@ -66,66 +61,12 @@ struct ToeplitzTaps {
 // o - shift]. Words: a0 (g, k lo), a1 (g + 8, k lo), a2 (g, k hi), a3 (g + 8, k hi).
 __host__ __device__ constexpr int fragment_offset(int s, int r) { return 16 * s + 2 * (r >> 1) - (r & 1); }
 
-// The four 8x8 matrices of 16-bit values whose rows lanes 8 q .. 8 q + 7 address (16 bytes a
-// row, 16-byte aligned), transposed: r[q] holds, for lane (g, tg), elements (2 tg, g) and
-// (2 tg + 1, g) of matrix q.
-// (`row`: a shared-memory address; the second form takes a generic pointer.)
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(row));
-}
+// ldmatrix_x4_trans (ptx.cuh) of rows given as generic pointers.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_x4_trans(r, smem_address(row)); }
-
-// The two 8x8 matrices whose rows lanes 0 .. 15 address, transposed (ldmatrix_x4_trans's first two).
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], unsigned row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(row));
-}
-// The four 8x8 matrices whose rows lanes 8 q .. 8 q + 7 address, as they lie: r[q] holds, for
-// lane (g, tg), elements (g, 2 tg) and (g, 2 tg + 1) of matrix q.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(row)));
-}
-// The two 8x8 matrices whose rows lanes 0 .. 15 address, as they lie (ldmatrix_x4's first two).
-__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)));
-}
-// ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
-// column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
-__device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(smem_address(row)),
-                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-#else
-    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q, element
-    // (g, j) from lane 4 g + j / 2, two rows a word)
-    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
-    unsigned col[4];
-    #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        unsigned w[4];
-        #pragma unroll
-        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
-        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
-        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
-        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
-    }
-    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
-#endif
-}
 
 // The backward's (bwd_mma, bwd_mma_time): dz's high and low bfloat16 halves, and the diagonal
 // sums of dweight's lag products.
 __device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }
-// a and b rounded to bfloat16, a in the low half.
-__device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
 __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
