@@ -1,0 +1,313 @@
+"""The kernels themselves, run on the CPU (tests/emulation.py), against the float64 reference.
+
+Each case goes through the public function as on a GPU (validation, plan, packed parameters),
+and the planned kernel instances run under the emulator: every thread of every block, warp-wide
+operations and tensor-core MMAs computed from all their lanes, shared memory NaN-filled before
+each block. Results are compared with ``cupyconv.reference`` at the per-dtype tolerances (every
+result buffer starts NaN-filled, so an element no kernel writes fails), and every array's bytes
+outside its elements must be untouched.
+
+The cases cover every kernel template of the forward, backward, update and varlen operators
+(``test_the_cases_launch_every_kernel``), on an H200 (sm_90) and, for the kernels whose code or
+plan differs there, an A100 (sm_80). The ``emulation`` marker's grid (``.ci/run``) adds widths,
+dtypes and features.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+from emulation import check_guards, compiler_available, emulated_gpu, host
+
+import cupyconv
+from cupyconv import _backward_plan, _forward_plan, _update_plan, reference
+from cupyconv.testing import GRAD_TOLERANCE, assert_close, tolerance
+
+pytestmark = pytest.mark.skipif(
+    not compiler_available(), reason="the CPU emulation of the kernels needs a C++ compiler (g++)"
+)
+
+NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+NP_DTYPES["float64"] = np.float64
+
+
+def rounded(rng, shape, dtype, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(NP_DTYPES[dtype]).astype(np.float64)
+
+
+def placed(a64, dtype, layout):
+    """``a64`` ([batch, dim, seqlen]) in guarded host memory: cf (time-contiguous), cl
+    (channel-contiguous), cl_slice (channels 8 .. 8 + dim of a channel-last buffer of 2 dim + 8
+    channels: x's view of a wider projection) or cl_odd (the same from channel 5: rows that do
+    not start on vector boundaries)."""
+    b, c, length = a64.shape
+    if layout == "cf":
+        return host(a64, NP_DTYPES[dtype])
+    wide = c if layout == "cl" else 2 * c + 8
+    offset = {"cl": 0, "cl_slice": 8, "cl_odd": 5}[layout]
+    return host(a64, NP_DTYPES[dtype], (length * wide, 1, wide), offset)
+
+
+def seq_ids(rng, batch, seqlen):
+    """Three segments a row, the last padded (-1) where the row is long enough."""
+    ids = np.zeros((batch, seqlen), np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seqlen), size=min(2, seqlen - 1), replace=False))
+        ids[b] = np.searchsorted(cuts, np.arange(seqlen), side="right")
+        if seqlen > 8:
+            ids[b, -3:] = -1
+    return ids
+
+
+def states(rng, batch, dim, width, dtype, layout):
+    s64 = rounded(rng, (batch, dim, width - 1), dtype)
+    strides = (dim * (width - 1), 1, dim) if layout != "cf" else None
+    return s64, host(s64, NP_DTYPES[dtype], strides)
+
+
+def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
+    """One forward call under the emulator against the reference; returns the kernels run."""
+    rng = np.random.default_rng(width + len(layout) + 7 * len(features))
+    wdtype = wdtype or dtype
+    b, c, length = shape
+    x64 = rounded(rng, shape, dtype)
+    w64 = rounded(rng, (c, width), wdtype, width**-0.5)
+    b64 = rounded(rng, (c,), wdtype)
+    s = seq_ids(rng, b, length) if "seq_idx" in features else None
+    init = "states" in features
+    with emulated_gpu(arch) as run:
+        x = placed(x64, dtype, layout)
+        w, bias = host(w64, NP_DTYPES[wdtype]), host(b64, NP_DTYPES[wdtype])
+        i64, i = states(rng, b, c, width, dtype, layout) if init else (None, None)
+        si = host(s, np.int32) if s is not None else None
+        got = cupyconv.causal_conv1d_fn(
+            x, w, bias, si, i, return_final_states=init, activation="silu"
+        )  # fmt: skip
+    want = reference.causal_conv1d_fn(x64, w64, b64, s, i64, init, "silu")
+    if init:
+        (out, final), (want, want_final) = got, want
+        assert_close(final.data, want_final, dtype, name="final_states")
+    else:
+        out = got
+    assert_close(out.data, want, dtype)
+    check_guards(x, w, bias, i, si, *run["allocations"])
+    return run["launches"]
+
+
+def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
+    """One backward call under the emulator against the reference; returns the kernels run."""
+    rng = np.random.default_rng(width + 3 * len(layout) + 11 * len(features))
+    wdtype = wdtype or dtype
+    b, c, length = shape
+    x64, g64 = rounded(rng, shape, dtype), rounded(rng, shape, dtype)
+    w64 = rounded(rng, (c, width), wdtype, width**-0.5)
+    b64 = rounded(rng, (c,), wdtype)
+    s = seq_ids(rng, b, length) if "seq_idx" in features else None
+    init = "states" in features
+    with emulated_gpu(arch) as run:
+        x, dout = placed(x64, dtype, layout), placed(g64, dtype, layout)
+        w, bias = host(w64, NP_DTYPES[wdtype]), host(b64, NP_DTYPES[wdtype])
+        i64, i = states(rng, b, c, width, dtype, layout) if init else (None, None)
+        f64, f = states(rng, b, c, width, dtype, layout) if init else (None, None)
+        si = host(s, np.int32) if s is not None else None
+        dx, dw, db, di = cupyconv.causal_conv1d_bwd(
+            x, w, bias, dout, si, i, f, return_dinitial_states=init, activation="silu"
+        )  # fmt: skip
+    rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, "silu")
+    assert_close(dx.data, rdx, dtype, name="dx")
+    # dweight and dbias: rounded once to weight's dtype; the atol scaled by the terms summed
+    rtol = max(GRAD_TOLERANCE[0], tolerance(wdtype)[0])
+    atol = GRAD_TOLERANCE[1] * (b * length) ** 0.5
+    assert_close(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name="dweight")
+    assert_close(db.data, rdb, wdtype, rtol=rtol, atol=atol, name="dbias")
+    if init:
+        assert_close(di.data, rdi, dtype, name="dinitial_states")
+    check_guards(x, dout, w, bias, i, f, si, *run["allocations"])
+    return run["launches"]
+
+
+def update_case(
+    batch, dim, seqlen, width, state_len, circular=False, pool=0, order="cf", state_dtype="float32"
+):  # fmt: skip
+    """One decode update (bfloat16 x) under the emulator against the reference; ``pool`` > 0
+    gathers state rows from a pool of batch + pool rows, every third batch row a padding row
+    (-1). Returns the kernels run."""
+    rng = np.random.default_rng(width + state_len + pool)
+    shape = (batch, dim) if seqlen is None else (batch, dim, seqlen)
+    x64 = rounded(rng, shape, "bfloat16")
+    w64 = rounded(rng, (dim, width), "bfloat16", width**-0.5)
+    b64 = rounded(rng, (dim,), "bfloat16")
+    rows = batch + pool
+    s64 = rounded(rng, (rows, dim, state_len), state_dtype)
+    idx = None
+    if pool:
+        idx = rng.permutation(rows)[:batch].astype(np.int32)
+        idx[::3] = -1
+    lens = rng.integers(0, 4 * state_len, batch).astype(np.int32) if circular else None
+    with emulated_gpu() as run:
+        x = host(x64, ml_dtypes.bfloat16)
+        w, bias = host(w64, ml_dtypes.bfloat16), host(b64, ml_dtypes.bfloat16)
+        s_strides = (dim * state_len, 1, dim) if order == "cl" else None
+        state = host(s64, NP_DTYPES[state_dtype], s_strides)
+        ii = host(idx, np.int32) if idx is not None else None
+        ll = host(lens, np.int32) if lens is not None else None
+        out = cupyconv.causal_conv1d_update(x, state, w, bias, "silu", ll, ii)
+    want, want_state = reference.causal_conv1d_update(x64, s64, w64, b64, "silu", lens, idx)
+    assert_close(out.data, want, "bfloat16")
+    exact = want_state.astype(NP_DTYPES[state_dtype]).astype(np.float64)
+    assert np.array_equal(state.data.astype(np.float64), exact), "conv_state is not the reference's"
+    check_guards(x, w, bias, state, ii, ll, *run["allocations"])
+    return run["launches"]
+
+
+def varlen_case(lengths, dim, state_len, dtype="bfloat16"):
+    """causal_conv1d_varlen_states on packed sequences of ``lengths``: exactly the reference's."""
+    rng = np.random.default_rng(state_len)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    x64 = rounded(rng, (int(cu[-1]), dim), dtype)
+    with emulated_gpu() as run:
+        x, cs = host(x64, NP_DTYPES[dtype]), host(cu, np.int32)
+        states = cupyconv.causal_conv1d_varlen_states(x, cs, state_len)
+    want = reference.causal_conv1d_varlen_states(x64, cu, state_len)
+    assert np.array_equal(states.data.astype(np.float64), want)
+    check_guards(x, cs, *run["allocations"])
+    return run["launches"]
+
+
+def templates(launches):
+    return {name.split("<")[0] for name in launches}
+
+
+# (shape, width, layout, dtype, weight dtype, features, arch) -> the kernel template expected
+SHAPE, LONG, WHOLE = (2, 40, 300), (1, 36, 700), (1, 8, 512)
+FORWARD = {
+    (SHAPE, 4, "cf", "bfloat16", None, (), 900): "fwd_time",
+    (SHAPE, 4, "cl", "bfloat16", None, (), 900): "fwd_channel",
+    (SHAPE, 4, "cl_slice", "float32", None, ("seq_idx", "states"), 900): "fwd_channel",
+    (SHAPE, 16, "cf", "bfloat16", None, (), 900): "fwd_mma",
+    (WHOLE, 20, "cf", "bfloat16", None, (), 900): "fwd_mma_time",
+    (SHAPE, 16, "cl", "bfloat16", None, (), 900): "fwd_mma_cl",
+    (SHAPE, 31, "cl_slice", "bfloat16", None, ("states",), 900): "fwd_mma_cl",
+    (SHAPE, 31, "cl_slice", "bfloat16", None, ("states",), 800): "fwd_mma_cl",
+    (SHAPE, 64, "cl", "bfloat16", None, (), 900): "fwd_mma_cl",
+    (SHAPE, 100, "cl", "bfloat16", None, (), 900): "fwd_mma",
+    (SHAPE, 100, "cf", "float16", "float32", (), 900): "fwd_mma",
+    (SHAPE, 256, "cf", "bfloat16", None, ("states",), 900): "fwd_mma",
+    (SHAPE, 64, "cf", "float64", None, (), 900): "fwd_time_wide",
+    (SHAPE, 64, "cl", "float32", None, (), 900): "fwd_channel_wide",
+    (SHAPE, 9, "cl_odd", "bfloat16", None, ("seq_idx",), 900): "fwd_general",
+}
+BACKWARD = {
+    (SHAPE, 4, "cf", "bfloat16", None, (), 900): "bwd_time",
+    (SHAPE, 4, "cl", "bfloat16", None, ("seq_idx", "states"), 900): "bwd_channel",
+    (SHAPE, 16, "cl_slice", "float32", None, (), 900): "bwd_channel",
+    (LONG, 16, "cf", "bfloat16", None, (), 900): "bwd_mma_time",
+    (SHAPE, 33, "cf", "bfloat16", None, ("states",), 900): "bwd_mma_time",
+    (SHAPE, 40, "cf", "bfloat16", None, ("states",), 900): "bwd_mma",
+    (SHAPE, 40, "cl", "bfloat16", None, (), 900): "bwd_mma",
+    (SHAPE, 129, "cf", "bfloat16", None, (), 900): "bwd_mma_block",
+    (SHAPE, 66, "cl_slice", "bfloat16", None, ("states",), 900): "bwd_mma_cl",
+    (SHAPE, 66, "cl", "bfloat16", None, (), 800): "bwd_mma_cl",
+    (SHAPE, 200, "cl", "bfloat16", None, (), 900): "bwd_mma_cl",
+    (SHAPE, 64, "cl", "float32", None, ("states",), 900): "bwd_wide",
+    (SHAPE, 20, "cf", "float16", "float32", ("seq_idx", "states"), 900): "bwd_dz",
+}
+
+
+def _id(case):
+    shape, width, layout, dtype, wdtype, features, arch = case
+    parts = [f"{shape[0]}x{shape[1]}x{shape[2]}", f"w{width}", layout, dtype]
+    parts += ([f"w{wdtype}"] if wdtype else []) + list(features) + [f"sm{arch // 10}"]
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize("case", FORWARD, ids=_id)
+def test_forward(case):
+    shape, width, layout, dtype, wdtype, features, arch = case
+    ran = forward_case(shape, width, layout, dtype, wdtype, features, arch)
+    assert FORWARD[case] in templates(ran), ran
+
+
+@pytest.mark.parametrize("case", BACKWARD, ids=_id)
+def test_backward(case):
+    shape, width, layout, dtype, wdtype, features, arch = case
+    ran = backward_case(shape, width, layout, dtype, wdtype, features, arch)
+    assert BACKWARD[case] in templates(ran), ran
+
+
+UPDATE = {  # (batch, dim, seqlen, width, state_len, circular, pool, order, state dtype)
+    (3, 40, None, 4, 3, False, 0, "cf", "bfloat16"): "conv_update_lean",
+    (16, 40, None, 3, 2, True, 0, "cf", "bfloat16"): "conv_update_lean",
+    (3, 40, 5, 4, 6, True, 2, "cl"): "conv_update",
+    (2, 40, 3, 33, 40, False, 4, "cf"): "conv_update",
+    (2, 40, None, 256, 255, True, 0, "cl"): "conv_update",
+}
+
+
+@pytest.mark.parametrize("case", UPDATE, ids=lambda c: "-".join(map(str, c)))
+def test_update(case):
+    ran = update_case(*case)
+    assert UPDATE[case] in templates(ran), ran
+
+
+def test_varlen_states():
+    assert templates(varlen_case([5, 0, 1, 3, 12, 8, 2], 37, 3)) == {"varlen_states"}
+    assert templates(varlen_case([300], 40, 8, "float32")) == {"varlen_states"}
+
+
+def test_the_cases_launch_every_kernel():
+    """Every kernel template of the forward and backward is the expected kernel of a case (and
+    the cases check that they launch it), or is launched beside one (the final states, the
+    backward's general steps and its reduction)."""
+    beside = {"fwd_final_states", "bwd_dx", "bwd_weight", "bwd_states", "bwd_reduce"}
+    expected = set(FORWARD.values()) | set(BACKWARD.values()) | beside
+    every = {k.template for k in _forward_plan.KERNELS + _backward_plan.KERNELS}
+    assert every == expected
+    assert set(UPDATE.values()) == {_update_plan.UPDATE.template, _update_plan.LEAN.template}
+
+
+# ---- the wider grid (.ci/run) -----------------------------------------------------------------
+
+GRID_WIDTHS = (1, 2, 3, 5, 8, 9, 17, 18, 33, 34, 65, 129, 256)
+LAYOUTS = ("cf", "cl", "cl_slice")
+FEATURES = ((), ("seq_idx", "states"))
+PAIRS = (
+    ("float32", None), ("float16", None), ("float64", None), ("float16", "float32"),
+    ("bfloat16", "float32"),
+)  # fmt: skip
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("width,layout,features", itertools.product(GRID_WIDTHS, LAYOUTS, FEATURES))
+def test_grid(width, layout, features):
+    forward_case(SHAPE, width, layout, "bfloat16", None, features)
+    backward_case(SHAPE, width, layout, "bfloat16", None, features)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize(
+    "pair,width,layout,features", itertools.product(PAIRS, (4, 16, 64, 256), ("cf", "cl"), FEATURES)
+)
+def test_grid_dtypes(pair, width, layout, features):
+    forward_case(SHAPE, width, layout, *pair, features)
+    backward_case(SHAPE, width, layout, *pair, features)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("width,layout", itertools.product((10, 16, 64, 129, 256), ("cf", "cl")))
+def test_grid_sm80(width, layout):
+    forward_case(SHAPE, width, layout, "bfloat16", None, ("states",), 800)
+    backward_case(SHAPE, width, layout, "bfloat16", None, ("states",), 800)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize(
+    "width,seqlen,circular",
+    itertools.product((1, 2, 3, 5, 8, 9, 33, 256), (None, 4), (False, True)),
+)
+def test_grid_update(width, seqlen, circular):
+    update_case(3, 40, seqlen, width, width + 2, circular, 2, "cl")
+    update_case(2, 40, seqlen, width, max(width - 1, 1), circular, 0, "cf", "bfloat16")
