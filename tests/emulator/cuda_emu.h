@@ -144,7 +144,7 @@ template <typename T> inline T atomicAdd(T* p, T v) { const T old = *p; *p = old
 
 namespace cpc {
 
-enum Op { NONE, SYNCWARP, SHFL, SHFL_XOR, VOTE_ANY, LDMATRIX, STMATRIX, MOVMATRIX, MMA };
+enum Op { NONE, SYNCWARP, SHFL, SHFL_XOR, SHFL_UP, SHFL_DOWN, VOTE_ANY, LDMATRIX, STMATRIX, MOVMATRIX, MMA };
 enum State { RUNNING, AT_WARP_OP, AT_BARRIER, DONE };
 
 struct Thread {
@@ -254,13 +254,18 @@ inline void complete(Thread* warp, unsigned lanes) {
     switch (op) {
         case SYNCWARP: break;
         case SHFL:
-        case SHFL_XOR: {
+        case SHFL_XOR:
+        case SHFL_UP:
+        case SHFL_DOWN: {
             unsigned long long v[32];
             for (int l = 0; l < 32; ++l) v[l] = warp[l].in[0];
             each([&](Thread& t, int l) {
                 const int width = (int)t.in[1], base = l & ~(width - 1);
-                const int src = op == SHFL ? base + (t.arg & (width - 1)) : (l ^ t.arg);
-                const int from = (src >= base + width) ? l : src;
+                const int src = op == SHFL ? base + (t.arg & (width - 1))
+                                : op == SHFL_XOR ? l ^ t.arg
+                                : op == SHFL_UP ? l - t.arg
+                                : l + t.arg;
+                const int from = src < base || src >= base + width ? l : src;
                 if (!(lanes >> from & 1)) fail("a shuffle reads a lane outside its mask");
                 t.out[0] = v[from];
             });
@@ -539,6 +544,12 @@ template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int widt
 }
 template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
     return cpc_shuffle(cpc::SHFL_XOR, mask, v, lane_mask, width);
+}
+template <typename T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return cpc_shuffle(cpc::SHFL_UP, mask, v, (int)delta, width);
+}
+template <typename T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return cpc_shuffle(cpc::SHFL_DOWN, mask, v, (int)delta, width);
 }
 inline int __any_sync(unsigned mask, int pred) {
     cpc::Thread& t = *cpc::block.current;
