@@ -361,14 +361,17 @@ struct Item {
 };
 
 // The exact path of a span whose dz window has a non-finite value, in two parts.
-// fix_dz: z again from its own taps wherever dz (hi or lo) is not finite among the n_fix
-// positions the span's warp computed (dout read again from dr, the row at the span; x's window
-// at xs), dz stored back with lo = 0 where it is not finite.
+// fix_dz: z again from its own taps wherever dz (hi or lo) is not finite among the first n_fix
+// of the n_all positions the span's warp computed, those in the row (dout read again from dr,
+// the row at the span; x's window at xs), dz stored back with lo = 0 where it is not finite;
+// the positions past the row get dz = 0 (their z may have caught a non-finite input through
+// the band's zeros, and their dout, staged as 0, times it is NaN).
 template <int KS, typename P>
 __device__ __noinline__ void fix_dz(const bf16* xs, const bf16* dr, bf16* dzh, bf16* dzl, const float* pad,
-                                    float bias_c, int n_fix, const P& p) {
+                                    float bias_c, int n_fix, int n_all, const P& p) {
     constexpr int D = ToeplitzTaps<KS>::D, PAD = ToeplitzTaps<KS>::PAD;
     const int lane = threadIdx.x & 31, width = (int)p.width;
+    for (int q = max(n_fix, 0) + lane; q < n_all; q += 32) dzh[q] = dzl[q] = bf16();
     for (int q = lane; q < n_fix; q += 32) {
         if (isfinite(__bfloat162float(dzh[q])) && isfinite(__bfloat162float(dzl[q]))) continue;
         float g = __bfloat162float(dr[q * p.dout_l_stride]);  // (q is inside the row)
@@ -600,7 +603,7 @@ __global__ void __launch_bounds__(CL ? 32 * BWD_MMA_CL_WARPS : 32 * BWD_MMA_WARP
 
             if (nonfinite) {
                 const T* const dr = dout + cur.b * p.dout_batch_stride + c * p.dout_c_stride + t0 * p.dout_l_stride;
-                fix_dz<KS>(xs, dr, dzh, dzl, pad, bias_c, min(lim, tail ? DL : S), p);
+                fix_dz<KS>(xs, dr, dzh, dzl, pad, bias_c, min(lim, tail ? DL : S), tail ? DL : S, p);
                 exact_terms<KS>(xs, dzh, dzl, rev, n_out, dxr, dx_step, p, dw, db);
             } else {
                 db += item_db;
@@ -751,9 +754,10 @@ __global__ void __launch_bounds__(32 * BWD_MMA_BLOCK_WARPS, 16 / BWD_MMA_BLOCK_W
         const unsigned exact = bad | (bad >> 1) | (unsigned)last_bad << (W - 1);
         if (bad) {
             if ((bad >> warp) & 1) {
-                const int n_fix = (int)max((int64)0, min(seqlen - tw, (int64)(S + (own_tail ? 128 * TB : 0))));
+                const int n_all = S + (own_tail ? 128 * TB : 0);
+                const int n_fix = (int)max((int64)0, min(seqlen - tw, (int64)n_all));
                 const T* const dr = dout + cur.b * p.dout_batch_stride + c * p.dout_c_stride + tw * p.dout_l_stride;
-                fix_dz<KS>(xs + ws, dr, dzh + ws, dzl + ws, pad, bias_c, n_fix, p);
+                fix_dz<KS>(xs + ws, dr, dzh + ws, dzl + ws, pad, bias_c, n_fix, n_all, p);
             }
             __syncthreads();
         }

@@ -68,12 +68,38 @@ def states(rng, batch, dim, width, dtype, layout):
     return s64, host(s64, NP_DTYPES[dtype], strides)
 
 
+def poison(x64, g64=None, width=None):
+    """inf and NaN in x (and dout): at a row's interior, a run of three, a row's last position,
+    and with ``width`` where its outputs end two positions before the row's end (the two after
+    them, and the tensor cores' blocks past the row, see it only through the band's zeros)."""
+    length = x64.shape[2]
+    x64[0, 1, length * 7 // 25] = np.inf
+    x64[1, 2, length * 3 // 5 : length * 3 // 5 + 3] = np.nan
+    x64[1, 4, length - 1] = -np.inf
+    if width is not None and width + 2 < length:
+        x64[1, x64.shape[1] - 1, length - width - 2] = np.nan
+    if g64 is not None:
+        g64[0, 3, 40] = -np.inf
+        g64[1, 5, length * 103 // 250] = np.nan
+
+
+def assert_close_where_finite(got, want, dtype, rtol=None, atol=None, name="out"):
+    """The reference's finite entries within tolerance; its non-finite ones non-finite too."""
+    finite = np.isfinite(want)
+    assert (~finite).any() and finite.any(), name
+    assert_close(got[finite], want[finite], dtype, rtol=rtol, atol=atol, name=name)
+    assert not np.isfinite(got[~finite].astype(np.float64)).any(), name
+
+
 def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
-    """One forward call under the emulator against the reference; returns the kernels run."""
+    """One forward call under the emulator against the reference; returns the kernels run.
+    Feature "non_finite": inf and NaN in x (``poison``)."""
     rng = np.random.default_rng(width + len(layout) + 7 * len(features))
     wdtype = wdtype or dtype
     b, c, length = shape
     x64 = rounded(rng, shape, dtype)
+    if "non_finite" in features:
+        poison(x64, width=width)
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
     s = seq_ids(rng, b, length) if "seq_idx" in features else None
@@ -92,17 +118,23 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
         assert_close(final.data, want_final, dtype, name="final_states")
     else:
         out = got
-    assert_close(out.data, want, dtype)
+    if "non_finite" in features:
+        assert_close_where_finite(out.data, want, dtype)
+    else:
+        assert_close(out.data, want, dtype)
     check_guards(x, w, bias, i, si, *run["allocations"])
     return run["launches"]
 
 
 def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
-    """One backward call under the emulator against the reference; returns the kernels run."""
+    """One backward call under the emulator against the reference; returns the kernels run.
+    Feature "non_finite": inf and NaN in x and dout (``poison``)."""
     rng = np.random.default_rng(width + 3 * len(layout) + 11 * len(features))
     wdtype = wdtype or dtype
     b, c, length = shape
     x64, g64 = rounded(rng, shape, dtype), rounded(rng, shape, dtype)
+    if "non_finite" in features:
+        poison(x64, g64, width)
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
     s = seq_ids(rng, b, length) if "seq_idx" in features else None
@@ -117,12 +149,13 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
             x, w, bias, dout, si, i, f, return_dinitial_states=init, activation="silu"
         )  # fmt: skip
     rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, "silu")
-    assert_close(dx.data, rdx, dtype, name="dx")
+    check = assert_close_where_finite if "non_finite" in features else assert_close
+    check(dx.data, rdx, dtype, name="dx")
     # dweight and dbias: rounded once to weight's dtype; the atol scaled by the terms summed
     rtol = max(GRAD_TOLERANCE[0], tolerance(wdtype)[0])
     atol = GRAD_TOLERANCE[1] * (b * length) ** 0.5
-    assert_close(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name="dweight")
-    assert_close(db.data, rdb, wdtype, rtol=rtol, atol=atol, name="dbias")
+    check(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name="dweight")
+    check(db.data, rdb, wdtype, rtol=rtol, atol=atol, name="dbias")
     if init:
         assert_close(di.data, rdi, dtype, name="dinitial_states")
     check_guards(x, dout, w, bias, i, f, si, *run["allocations"])
@@ -294,6 +327,29 @@ def test_grid(width, layout, features):
 def test_grid_dtypes(pair, width, layout, features):
     forward_case(SHAPE, width, layout, *pair, features)
     backward_case(SHAPE, width, layout, *pair, features)
+
+
+@pytest.mark.parametrize(
+    "width,layout", [(4, "cf"), (4, "cl"), (16, "cl"), (33, "cf"), (40, "cl"), (66, "cl")]
+)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite(width, layout):
+    """inf and NaN reach exactly the outputs, dx, dweight and dbias the reference has
+    non-finite (the tensor-core kernels' exact paths), the rest as always."""
+    forward_case(SHAPE, width, layout, features=("non_finite",))
+    backward_case(SHAPE, width, layout, features=("non_finite",))
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize(
+    "width,layout", itertools.product((9, 16, 17, 20, 33, 64, 129, 200, 256), ("cf", "cl"))
+)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_grid_non_finite(width, layout):
+    forward_case(SHAPE, width, layout, features=("non_finite",))
+    backward_case(SHAPE, width, layout, features=("non_finite",))
+    forward_case((2, 8, 1024), width, "cf", features=("non_finite",))
+    backward_case((2, 8, 1024), width, "cf", features=("non_finite",))
 
 
 @pytest.mark.emulation
