@@ -229,7 +229,9 @@ def causal_conv1d_bwd(
     dhistory = np.zeros_like(conv.history)  # [batch, dim, K-1+seqlen]
     dweight = np.zeros((dim, width))
     for k in range(width):
-        dweight[:, k] = (dz * conv.tap(k)).sum(axis=(0, 2))
+        # selected after the product, as dx's terms: a masked tap's term is not inf * 0 = NaN
+        tap = _select(dz * conv.history[:, :, k : k + seqlen], conv.tap_visible[k])
+        dweight[:, k] = tap.sum(axis=(0, 2))
         dtap = _select(dz * conv.weight[None, :, k, None], conv.tap_visible[k])
         dhistory[:, :, k : k + seqlen] += dtap
     if dfinal_states is not None:

@@ -223,7 +223,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                             #pragma unroll
                             for (int k = 0; k < K; ++k) {
                                 if constexpr (SEQ) {
-                                    if (ids[(u + k) % K] == ids[own]) dw[k][v] += dzw[own][v] * xw[(u + k) % K][v];
+                                    // (selected: a padding dz meets inf or NaN inputs of its own id)
+                                    if (ids[own] >= 0 && ids[(u + k) % K] == ids[own])
+                                        dw[k][v] += dzw[own][v] * xw[(u + k) % K][v];
                                 } else {
                                     dw[k][v] += dzw[own][v] * xw[(u + k) % K][v];
                                 }

@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                             #pragma unroll
                             for (int k = 0; k < K; ++k) {
                                 if constexpr (SEQ) {
-                                    if (ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
+                                    // (selected: a padding dz meets inf or NaN inputs of its own id)
+                                    if (ids[o + K - 1] >= 0 && ids[o + k] == ids[o + K - 1]) dw[k] += dz[o] * xw[OFF + o + k];
                                 } else {
                                     dw[k] += dz[o] * xw[OFF + o + k];
                                 }

@@ -395,9 +395,23 @@ def test_tensor_core_non_finite_values_reach_only_their_taps(tensor_cores, layou
     check_non_finite((2, 8 if layout == "cl" else 6, 2500), "bfloat16", layout, width, silu)
 
 
-def check_non_finite(shape, dtype, layout, width, silu):
+@pytest.mark.parametrize("layout,width", [("cf", 4), ("cl", 4), ("cl", 16), ("cf", 40)])
+def test_non_finite_values_with_seq_idx(layout, width):
+    """Padding positions' inf and a non-finite dz next to a segment's start: the terms of masked
+    taps and padding are selected out (bwd_time, bwd_channel, the general kernels)."""
+    check_non_finite((2, 8, 600), "bfloat16", layout, width, True, segments=5)
+
+
+def torch_tensor(a):
+    import torch
+
+    return torch.from_numpy(a).cuda()
+
+
+def check_non_finite(shape, dtype, layout, width, silu, segments=0):
     """inf and NaN in x and dout reach exactly the dx, dweight and dbias entries the reference
-    has non-finite; the others match it (dweight and dbias as run_bwd checks them)."""
+    has non-finite; the others match it (dweight and dbias as run_bwd checks them). With
+    ``segments``, seq_idx with padding: masked taps and padding select their terms out."""
     rng = np.random.default_rng(width)
     length = shape[2]
     x64, g64 = rounded(rng, shape, dtype), rounded(rng, shape, dtype)
@@ -412,10 +426,12 @@ def check_non_finite(shape, dtype, layout, width, silu):
     w64 = rounded(rng, (shape[1], width), dtype, scale=width**-0.5)
     b64 = rounded(rng, (shape[1],), dtype)
     act = "silu" if silu else None
+    s = seq_ids(rng, shape[0], length, segments, True) if segments else None
     x, g = to_gpu(x64, dtype, layout), to_gpu(g64, dtype, layout)
     w, b = to_gpu(w64, dtype), to_gpu(b64, dtype)
-    got = cupyconv.causal_conv1d_bwd(x, w, b, g, activation=act)[:3]
-    want = reference.causal_conv1d_bwd(x64, w64, b64, g64, activation=act)[:3]
+    si = None if s is None else torch_tensor(s)
+    got = cupyconv.causal_conv1d_bwd(x, w, b, g, si, activation=act)[:3]
+    want = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, activation=act)[:3]
     terms = shape[0] * length
     grads = (max(GRAD_TOLERANCE[0], tolerance(dtype)[0]), GRAD_TOLERANCE[1] * terms**0.5)
     tolerances = {"dx": tolerance(dtype), "dweight": grads, "dbias": grads}

@@ -79,7 +79,7 @@ def poison(x64, g64=None, width=None):
     if width is not None and width + 2 < length:
         x64[1, x64.shape[1] - 1, length - width - 2] = np.nan
     if g64 is not None:
-        g64[0, 3, 40] = -np.inf
+        g64[0, 3, min(40, length - 1)] = -np.inf
         g64[1, 5, length * 103 // 250] = np.nan
 
 
@@ -338,6 +338,15 @@ def test_non_finite(width, layout):
     non-finite (the tensor-core kernels' exact paths), the rest as always."""
     forward_case(SHAPE, width, layout, features=("non_finite",))
     backward_case(SHAPE, width, layout, features=("non_finite",))
+
+
+@pytest.mark.parametrize("width,layout", [(4, "cf"), (4, "cl"), (16, "cl"), (40, "cf")])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite_with_seq_idx(width, layout):
+    """The same with seq_idx: an inf at a padding position and terms of masked taps are selected
+    out, not multiplied by 0 (bwd_time, bwd_channel, the general kernels)."""
+    forward_case(SHAPE, width, layout, features=("non_finite", "seq_idx"))
+    backward_case(SHAPE, width, layout, features=("non_finite", "seq_idx"))
 
 
 @pytest.mark.emulation

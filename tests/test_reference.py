@@ -355,6 +355,26 @@ def test_backward_matches_finite_differences(cfg):
     assert np.abs(dx).max() > 1e-3  # the check above compared something
 
 
+def test_backward_masked_taps_contribute_nothing_to_dweight():
+    """A non-finite dz meets masked taps (inputs of another segment) and reaches only the
+    dweight terms of its visible taps: the masked ones are selected out, not inf * 0 = NaN."""
+    x = np.array([[[0.5, -1.0, 2.0, 1.5, -0.25, 0.75]]])
+    weight = np.array([[0.3, -0.2, 0.6]])
+    seq_idx = np.array([[0, 0, 0, 1, 1, 1]])
+    dout = np.array([[[1.0, 2.0, -1.0, np.inf, 0.5, -2.0]]])
+    _, dweight, dbias, _ = ref.causal_conv1d_bwd(x, weight, np.zeros(1), dout, seq_idx)
+    # dweight[k] = sum over t of dout[t] x[t - 2 + k], where t - 2 + k is in t's segment
+    want = [
+        sum(dout[0, 0, t] * x[0, 0, s] for t in range(6) for s in [t - 2 + k]
+            if s >= 0 and seq_idx[0, s] == seq_idx[0, t])
+        for k in range(3)
+    ]  # fmt: skip
+    assert np.isfinite(want[:2]).all() and want[2] == np.inf
+    assert_close(dweight[0, :2], np.array(want[:2]), rtol=1e-12, atol=0, name="dweight")
+    assert dweight[0, 2] == np.inf
+    assert dbias[0] == np.inf
+
+
 # --------------------------------------------------------------------------------------------
 # Update, against the forward on the concatenated history
 # --------------------------------------------------------------------------------------------
