@@ -64,7 +64,6 @@ __device__ __forceinline__ A bits_as(unsigned long long u, int code) {
     }
 }
 
-
 // This warp's index in the grid and the number of warps in it.
 __device__ __forceinline__ int64 grid_warp() { return blockIdx.x * (int64)(blockDim.x / 32) + threadIdx.x / 32; }
 __device__ __forceinline__ int64 grid_warps() { return (int64)gridDim.x * (blockDim.x / 32); }

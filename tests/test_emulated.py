@@ -41,11 +41,15 @@ def rounded(rng, shape, dtype, scale=1.0):
 def placed(a64, dtype, layout):
     """``a64`` ([batch, dim, seqlen]) in guarded host memory: cf (time-contiguous), cl
     (channel-contiguous), cl_slice (channels 8 .. 8 + dim of a channel-last buffer of 2 dim + 8
-    channels: x's view of a wider projection) or cl_odd (the same from channel 5: rows that do
-    not start on vector boundaries)."""
+    channels: x's view of a wider projection), cl_odd (the same from channel 5: rows that do
+    not start on vector boundaries), cf_slice or cf_odd (the channel-first counterparts)."""
     b, c, length = a64.shape
     if layout == "cf":
         return host(a64, NP_DTYPES[dtype])
+    if layout == "cf_slice":  # channels 3 .. 3 + dim of a channel-first buffer of dim + 5
+        return host(a64, NP_DTYPES[dtype], ((c + 5) * length, length, 1), 3 * length)
+    if layout == "cf_odd":  # rows of length + 1, from the buffer's second element
+        return host(a64, NP_DTYPES[dtype], (c * (length + 1), length + 1, 1), 1)
     wide = c if layout == "cl" else 2 * c + 8
     offset = {"cl": 0, "cl_slice": 8, "cl_odd": 5}[layout]
     return host(a64, NP_DTYPES[dtype], (length * wide, 1, wide), offset)
@@ -376,3 +380,91 @@ def test_grid_sm80(width, layout):
 def test_grid_update(width, seqlen, circular):
     update_case(3, 40, seqlen, width, width + 2, circular, 2, "cl")
     update_case(2, 40, seqlen, width, max(width - 1, 1), circular, 0, "cf", "bfloat16")
+
+
+# ---- randomised (.ci/run) ------------------------------------------------------------------------
+
+R_WIDTHS = (*range(1, 10), 15, 16, 17, 18, 31, 32, 33, 34, 48, 63, 64, 65, 66, 100, 127, 128, 129)
+R_WIDTHS += (130, 200, 255, 256)
+R_LENGTHS = (1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 300, 511)
+R_LENGTHS += (513, 700, 1024, 1100)
+R_PAIRS = (("bfloat16", "bfloat16"),) * 4 + (
+    ("float16", "float16"), ("float32", "float32"), ("float64", "float64"),
+    ("float16", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16"),
+    ("float16", "bfloat16"),
+)  # fmt: skip
+R_LAYOUTS = ("cf", "cl", "cl", "cl_slice", "cl_odd", "cf_slice", "cf_odd")
+
+
+def random_case(seed):
+    """A forward and a backward call of random shape, width, dtypes, layout and features (bias,
+    activation, seq_idx with padding, initial states, final states, dfinal states, non-finite
+    inputs) on sm_90 or sm_80, against the reference. Returns the case's description."""
+    rng = np.random.default_rng(seed)
+    width, length = int(rng.choice(R_WIDTHS)), int(rng.choice(R_LENGTHS))
+    batch, dim = int(rng.integers(1, 4)), int(rng.choice([1, 3, 7, 8, 16, 33, 40, 64]))
+    if width > 33:
+        length = min(length, max(1, 12000 // dim))
+    dtype, wdtype = R_PAIRS[rng.integers(len(R_PAIRS))]
+    layout = R_LAYOUTS[rng.integers(len(R_LAYOUTS))]
+    act = "silu" if rng.random() < 0.8 else None
+    has_bias, has_seq = rng.random() < 0.8, rng.random() < 0.25 and length > 1
+    init, dfinal = rng.random() < 0.35 and width > 1, rng.random() < 0.3 and width > 1
+    want_final = rng.random() < 0.3 and width > 1
+    non_finite = rng.random() < 0.15 and batch >= 2 and dim >= 7 and length >= 10
+    arch = int(rng.choice([900, 900, 800]))
+    what = (
+        f"seed {seed}: {batch}x{dim}x{length} width {width} {dtype}/{wdtype} {layout}"
+        f" sm_{arch // 10} act={act} bias={has_bias} seq={has_seq} init={init} dfinal={dfinal}"
+        f" final={want_final} non_finite={non_finite}"
+    )
+    x64, g64 = rounded(rng, (batch, dim, length), dtype), rounded(rng, (batch, dim, length), dtype)
+    if non_finite:
+        poison(x64, g64, width)
+    w64 = rounded(rng, (dim, width), wdtype, width**-0.5)
+    b64 = rounded(rng, (dim,), wdtype) if has_bias else None
+    s = seq_ids(rng, batch, length) if has_seq else None
+    state_layout = "cl" if layout.startswith("cl") else "cf"
+    i64, i = states(rng, batch, dim, width, dtype, state_layout) if init else (None, None)
+    f64, f = states(rng, batch, dim, width, dtype, state_layout) if dfinal else (None, None)
+    with emulated_gpu(arch) as run:
+        x, g = placed(x64, dtype, layout), placed(g64, dtype, layout)
+        w = host(w64, NP_DTYPES[wdtype])
+        bias = host(b64, NP_DTYPES[wdtype]) if has_bias else None
+        si = host(s, np.int32) if has_seq else None
+        got = cupyconv.causal_conv1d_fn(
+            x, w, bias, si, i, return_final_states=want_final, activation=act
+        )  # fmt: skip
+        dx, dw, db, di = cupyconv.causal_conv1d_bwd(
+            x, w, bias, g, si, i, f, return_dinitial_states=init, activation=act
+        )  # fmt: skip
+
+    def check(a, e, dt, **kw):
+        if not np.isfinite(e).all() and np.isfinite(e).any():
+            assert_close_where_finite(a, e, dt, **kw)
+        else:
+            assert_close(a, e, dt, **kw)
+
+    want = reference.causal_conv1d_fn(x64, w64, b64, s, i64, want_final, act)
+    if want_final:
+        (got, final), (want, want_final_states) = got, want
+        check(final.data, want_final_states, dtype, name=f"final_states ({what})")
+    check(got.data, want, dtype, name=f"out ({what})")
+    rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, act)
+    check(dx.data, rdx, dtype, name=f"dx ({what})")
+    rtol = max(GRAD_TOLERANCE[0], tolerance(wdtype)[0])
+    atol = GRAD_TOLERANCE[1] * (batch * length) ** 0.5
+    check(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name=f"dweight ({what})")
+    if has_bias:
+        check(db.data, rdb, wdtype, rtol=rtol, atol=atol, name=f"dbias ({what})")
+    if init:
+        check(di.data, rdi, dtype, name=f"dinitial_states ({what})")
+    check_guards(x, g, w, bias, si, i, f, *run["allocations"])
+    return what
+
+
+@pytest.mark.emulation
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(80))
+def test_randomised(seed):
+    random_case(seed)
