@@ -64,6 +64,28 @@ __host__ __device__ constexpr int fragment_offset(int s, int r) { return 16 * s 
 // ldmatrix_x4_trans (ptx.cuh) of rows given as generic pointers.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_x4_trans(r, smem_address(row)); }
 
+// ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
+// column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
+__device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    stmatrix_x4_trans_sm90(r, row);
+#else
+    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q, element
+    // (g, j) from lane 4 g + j / 2, two rows a word)
+    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
+    unsigned col[4];
+    #pragma unroll
+    for (int g = 0; g < 8; ++g) {
+        unsigned w[4];
+        #pragma unroll
+        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
+        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
+        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
+        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
+    }
+    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
+#endif
+}
 // The backward's (bwd_mma, bwd_mma_time): dz's high and low bfloat16 halves, and the diagonal
 // sums of dweight's lag products.
 __device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }

@@ -144,29 +144,13 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)));
 }
-// ldmatrix_x4's inverse, transposed: matrix q's row j (at the address of lane 8 q + j) gets
-// column j of the matrix that r[q] holds as ldmatrix_x4 gives it.
-__device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// ldmatrix_x4's inverse, transposed (sm_90; mma_common.cuh's stmatrix_x4_trans takes it there):
+// matrix q's row j (at the address of lane 8 q + j) gets column j of the matrix that r[q]
+// holds as ldmatrix_x4 gives it.
+__device__ __forceinline__ void stmatrix_x4_trans_sm90(const unsigned (&r)[4], void* row) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(smem_address(row)),
                  "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
-#else
-    // (sm_80: the same through shuffles: lane 8 q + j collects column j of matrix q, element
-    // (g, j) from lane 4 g + j / 2, two rows a word)
-    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
-    unsigned col[4];
-    #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        unsigned w[4];
-        #pragma unroll
-        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
-        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
-        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
-        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
-    }
-    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
-#endif
 }
 // The 8 x 8 matrix of 16-bit values whose fragment a is (lane (g, tg): row g, columns 2 tg and
 // 2 tg + 1), transposed, as the same fragment.

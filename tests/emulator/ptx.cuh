@@ -103,27 +103,12 @@ inline void ldmatrix_x2_trans(unsigned (&r)[2], unsigned row) { cpc_ldmatrix(r, 
 inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { cpc_ldmatrix(r, row, false); }
 inline void ldmatrix_x2(unsigned (&r)[2], const void* row) { cpc_ldmatrix(r, row, false); }
 
-#if CPC_ARCH >= 900
-inline void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
+inline void stmatrix_x4_trans_sm90(const unsigned (&r)[4], void* row) {
     cpc::Thread& t = *cpc::block.current;
     for (int i = 0; i < 4; ++i) t.in[i] = r[i];
     t.addr = row;
     cpc::warp_op(cpc::STMATRIX, 0xffffffffu);
 }
-#else  // sm_80: kernels/ptx.cuh's shuffles
-inline void stmatrix_x4_trans(const unsigned (&r)[4], void* row) {
-    const int lane = threadIdx.x & 31, q = lane >> 3, j = lane & 7;
-    unsigned col[4];
-    for (int g = 0; g < 8; ++g) {
-        unsigned w[4];
-        for (int m = 0; m < 4; ++m) w[m] = __shfl_sync(0xffffffffu, r[m], 4 * g + (j >> 1));
-        const unsigned v = q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3];
-        const unsigned half = j & 1 ? v >> 16 : v & 0xffffu;
-        col[g / 2] = g & 1 ? col[g / 2] | half << 16 : half;
-    }
-    *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
-}
-#endif
 
 inline unsigned transposed(unsigned a) {
     cpc::Thread& t = *cpc::block.current;
