@@ -1,7 +1,7 @@
 // cuda_emu.h: the CUDA C++ that cupyconv's kernels use, on the CPU, so that the tests can run
 // the kernels themselves without a GPU (tests/emulation.py builds and drives them).
 //
-// A launch runs its blocks one after another. A block's threads are fibers (ucontext): each runs
+// A launch runs its blocks one after another. A block's threads are fibers: each runs
 // until it reaches a barrier or a warp-wide operation, and such an operation completes when
 // every thread it names has reached it (a thread blocked on one that can never complete is
 // reported as a deadlock). Warp-wide operations (shuffles, votes, ldmatrix, stmatrix, movmatrix,
@@ -144,11 +144,45 @@ template <typename T> inline T atomicAdd(T* p, T v) { const T old = *p; *p = old
 
 namespace cpc {
 
+// A fiber's saved context. x86-64 switches by hand (the callee-saved registers and the stack
+// pointer); elsewhere ucontext, whose swapcontext also saves the signal mask (a system call).
+#if defined(__x86_64__)
+struct Context {
+    void* sp = nullptr;
+};
+extern "C" void cpc_switch(void** save, void* load);
+asm(".text\n.globl cpc_switch\n.hidden cpc_switch\n.type cpc_switch, @function\ncpc_switch:\n"
+    "pushq %rbp\npushq %rbx\npushq %r12\npushq %r13\npushq %r14\npushq %r15\n"
+    "movq %rsp, (%rdi)\nmovq %rsi, %rsp\n"
+    "popq %r15\npopq %r14\npopq %r13\npopq %r12\npopq %rbx\npopq %rbp\nret\n");
+inline void switch_to(Context& from, Context& to) { cpc_switch(&from.sp, to.sp); }
+// `c` starts `entry` (which never returns) on the stack at `stack`.
+inline void start(Context& c, char* stack, size_t size, void (*entry)()) {
+    void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15));
+    *--sp = nullptr;                                   // entry begins as if called: rsp = 8 mod 16
+    *--sp = reinterpret_cast<void*>(entry);            // cpc_switch's return address
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;       // rbp, rbx, r12 .. r15
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void start(Context& c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 enum Op { NONE, SYNCWARP, SHFL, SHFL_XOR, SHFL_UP, SHFL_DOWN, VOTE_ANY, LDMATRIX, STMATRIX, MOVMATRIX, MMA };
 enum State { RUNNING, AT_WARP_OP, AT_BARRIER, DONE };
 
 struct Thread {
-    ucontext_t ctx;
+    Context ctx;
     dim3 tid;
     int linear = 0;
     State state = RUNNING;
@@ -174,7 +208,7 @@ struct Thread {
 struct Block {
     std::vector<Thread> threads;
     std::vector<char*> stacks;
-    ucontext_t scheduler;
+    Context scheduler;
     Thread* current = nullptr;
     dim3 block_idx, block_dim, grid_dim;
     long arrivals = 0;
@@ -197,7 +231,7 @@ inline unsigned char* shared_pointer(unsigned a) { return arena + (int)a; }
 
 [[noreturn]] inline void fail(const std::string& what) { throw std::runtime_error(what); }
 
-inline void wait_here() { swapcontext(&block.current->ctx, &block.scheduler); }
+inline void wait_here() { switch_to(block.current->ctx, block.scheduler); }
 
 // This thread reaches warp-wide operation `op` of the lanes in `mask`.
 inline Thread& warp_op(Op op, unsigned mask) {
@@ -412,6 +446,7 @@ inline void thread_entry() {
         if (block.error.empty()) block.error = e.what();
     }
     block.current->state = DONE;
+    wait_here();  // never resumed
 }
 
 // Runs one block of body(arg): every thread to its end.
@@ -427,11 +462,7 @@ inline void run_block(void (*body)(void*), void* arg, int threads) {
         t.tid.x = i % b.block_dim.x;
         t.tid.y = i / b.block_dim.x;
         t.tid.z = 0;
-        getcontext(&t.ctx);
-        t.ctx.uc_stack.ss_sp = b.stacks[i];
-        t.ctx.uc_stack.ss_size = STACK_BYTES;
-        t.ctx.uc_link = &b.scheduler;
-        makecontext(&t.ctx, thread_entry, 0);
+        start(t.ctx, b.stacks[i], STACK_BYTES, thread_entry);
     }
     // Each warp in turn runs as far as it can (its lanes one after another, each to its next
     // warp-wide operation or barrier), so that warps drift as far apart as the barriers allow
@@ -450,7 +481,7 @@ inline void run_block(void (*body)(void*), void* arg, int threads) {
                     Thread& t = warp[l];
                     if (t.state != RUNNING) continue;
                     b.current = &t;
-                    swapcontext(&b.scheduler, &t.ctx);
+                    switch_to(b.scheduler, t.ctx);
                     ran = true;
                     if (!b.error.empty()) {
                         const std::string what = b.error;
