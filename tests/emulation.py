@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -50,8 +51,17 @@ GUARD = 256  # bytes of 0xff before and after every array's elements
 _DYNAMIC = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
 
 
+@functools.cache
 def compiler_available() -> bool:
-    return shutil.which(CXX) is not None
+    """Whether the host C++ compiler builds what the emulator needs (C++17, _Float16)."""
+    if shutil.which(CXX) is None:
+        return False
+    probe = "_Float16 half(float f) { return (_Float16)f; }\n"
+    run = subprocess.run(
+        [CXX, "-std=c++17", "-fsyntax-only", "-x", "c++", "-"], input=probe, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    return run.returncode == 0
 
 
 def emulated_text(source: _compile.Source) -> str:

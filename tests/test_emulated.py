@@ -27,7 +27,8 @@ from cupyconv import _backward_plan, _forward_plan, _update_plan, reference
 from cupyconv.testing import GRAD_TOLERANCE, assert_close, tolerance
 
 pytestmark = pytest.mark.skipif(
-    not compiler_available(), reason="the CPU emulation of the kernels needs a C++ compiler (g++)"
+    not compiler_available(),
+    reason="the kernels' CPU emulation needs a C++17 compiler with _Float16 (g++ 12 or later)",
 )
 
 NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
