@@ -88,10 +88,13 @@ def poison(x64, g64=None, width=None):
         g64[1, 5, length * 103 // 250] = np.nan
 
 
-def assert_close_where_finite(got, want, dtype, rtol=None, atol=None, name="out"):
-    """The reference's finite entries within tolerance; its non-finite ones non-finite too."""
+def assert_matches(got, want, dtype, poisoned=False, rtol=None, atol=None, name="out"):
+    """``assert_close``, and where the reference has non-finite entries (``poisoned``: it must
+    have some, and some finite ones), those entries non-finite too and the rest within
+    tolerance."""
     finite = np.isfinite(want)
-    assert (~finite).any() and finite.any(), name
+    if poisoned:
+        assert (~finite).any() and finite.any(), name
     assert_close(got[finite], want[finite], dtype, rtol=rtol, atol=atol, name=name)
     assert not np.isfinite(got[~finite].astype(np.float64)).any(), name
 
@@ -123,10 +126,7 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
         assert_close(final.data, want_final, dtype, name="final_states")
     else:
         out = got
-    if "non_finite" in features:
-        assert_close_where_finite(out.data, want, dtype)
-    else:
-        assert_close(out.data, want, dtype)
+    assert_matches(out.data, want, dtype, "non_finite" in features)
     check_guards(x, w, bias, i, si, *run["allocations"])
     return run["launches"]
 
@@ -154,13 +154,13 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
             x, w, bias, dout, si, i, f, return_dinitial_states=init, activation="silu"
         )  # fmt: skip
     rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, "silu")
-    check = assert_close_where_finite if "non_finite" in features else assert_close
-    check(dx.data, rdx, dtype, name="dx")
+    poisoned = "non_finite" in features
+    assert_matches(dx.data, rdx, dtype, poisoned, name="dx")
     # dweight and dbias: rounded once to weight's dtype; the atol scaled by the terms summed
     rtol = max(GRAD_TOLERANCE[0], tolerance(wdtype)[0])
     atol = GRAD_TOLERANCE[1] * (b * length) ** 0.5
-    check(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name="dweight")
-    check(db.data, rdb, wdtype, rtol=rtol, atol=atol, name="dbias")
+    assert_matches(dw.data, rdw, wdtype, poisoned, rtol, atol, name="dweight")
+    assert_matches(db.data, rdb, wdtype, poisoned, rtol, atol, name="dbias")
     if init:
         assert_close(di.data, rdi, dtype, name="dinitial_states")
     check_guards(x, dout, w, bias, i, f, si, *run["allocations"])
@@ -440,26 +440,20 @@ def random_case(seed):
             x, w, bias, g, si, i, f, return_dinitial_states=init, activation=act
         )  # fmt: skip
 
-    def check(a, e, dt, **kw):
-        if not np.isfinite(e).all() and np.isfinite(e).any():
-            assert_close_where_finite(a, e, dt, **kw)
-        else:
-            assert_close(a, e, dt, **kw)
-
     want = reference.causal_conv1d_fn(x64, w64, b64, s, i64, want_final, act)
     if want_final:
         (got, final), (want, want_final_states) = got, want
-        check(final.data, want_final_states, dtype, name=f"final_states ({what})")
-    check(got.data, want, dtype, name=f"out ({what})")
+        assert_matches(final.data, want_final_states, dtype, name=f"final_states ({what})")
+    assert_matches(got.data, want, dtype, name=f"out ({what})")
     rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, act)
-    check(dx.data, rdx, dtype, name=f"dx ({what})")
+    assert_matches(dx.data, rdx, dtype, name=f"dx ({what})")
     rtol = max(GRAD_TOLERANCE[0], tolerance(wdtype)[0])
     atol = GRAD_TOLERANCE[1] * (batch * length) ** 0.5
-    check(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name=f"dweight ({what})")
+    assert_matches(dw.data, rdw, wdtype, rtol=rtol, atol=atol, name=f"dweight ({what})")
     if has_bias:
-        check(db.data, rdb, wdtype, rtol=rtol, atol=atol, name=f"dbias ({what})")
+        assert_matches(db.data, rdb, wdtype, rtol=rtol, atol=atol, name=f"dbias ({what})")
     if init:
-        check(di.data, rdi, dtype, name=f"dinitial_states ({what})")
+        assert_matches(di.data, rdi, dtype, name=f"dinitial_states ({what})")
     check_guards(x, g, w, bias, si, i, f, *run["allocations"])
     return what
 
