@@ -436,13 +436,13 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
     """A persistent grid of MMA_CL_WARPS-warp blocks, each taking items (32 channels, 8 units:
     pieces of ``span`` steps of the batch rows) in turn. Shared memory: the ring (32 channels x
     16 KS + 1 rows of 16 bytes), two staging buffers of a step (16 positions x 8 units x 64 bytes),
-    then each warp's taps (8 channels x 2 D + 32 word pairs) and 8 biases."""
+    then each warp's taps (8 channels x D + 32 word pairs) and 8 biases."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
     warps, step = CONSTANTS["MMA_CL_WARPS"], CONSTANTS["MMA_CL_STEP"]
     channels = 8 * warps  # a block's
     taps_at = channels * (16 * ks + 1) * 16 + 2 * step * 8 * channels * 2
-    smem = taps_at + warps * (8 * (32 * ks) + 8) * 4  # (32 KS: 2 D + 32 tap pairs a channel)
+    smem = taps_at + warps * (8 * (16 * ks + 16) + 8) * 4  # (16 KS + 16: D + 32 tap pairs a channel)
     groups = -(-dim // channels)
 
     def items(span):  # (channel groups, 8 pieces)

@@ -53,14 +53,14 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
 
 // Register budgets: at KS 2 that of 6 blocks an SM (80 registers, nothing spilled; the shared
 // memory holds 5 blocks, and the budget of 5, 96 registers, spills: 1-2 % slower), from KS 3 that
-// of 4 (128; at 96 KS 3 spills and runs slower; at KS 4 / 5 the shared memory leaves 3 / 2
+// of 4 (128; at 96 KS 3 spills and runs slower; at KS 4 and 5 the shared memory leaves 3
 // blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
-    constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE;
+    constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
     constexpr int CH = 8 * MMA_CL_WARPS, RING = 16 * KS;  // channels a block; ring rows a channel
     constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
@@ -73,10 +73,11 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
     uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
     unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[PAD + k] =
-    // w[k] (zeros around them), then the 8 biases.
-    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (8 * SIZE + 8);
-    float* const bias_s = reinterpret_cast<float*>(tab + 8 * SIZE);
+    // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
+    // width + k] = w[k] (the last tap at D + 15, zeros around them), then the 8 biases. A lane
+    // reads words 15 + 2 tg - g + 16 s + {0, -8, 8}: 0 .. D + 29 of TAB, whatever the width.
+    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (8 * TAB + 8);
+    float* const bias_s = reinterpret_cast<float*>(tab + 8 * TAB);
 
     // The 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging buffer: units
     // of odd positions swapped in pairs, pieces of a 64-byte row rotated by (u >> 1) & 3.
@@ -88,8 +89,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
     // Ring row of channel ch for ring slot s (< RING): channels RING + 1 rows apart, so that the 8
     // channels a transposing store writes at one slot lie in 8 distinct bank groups.
     auto ring_row = [&](int ch, int s) { return ring + ch * (RING + 1) + s; };
-    const int sh = D - width + 1;  // where the band starts in the window
-    const int jb = PAD - sh + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
+    const int jb = 15 + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
     const int n_steps = KS - 1 + (int)(span / 16);
 
     #pragma unroll 1
@@ -109,13 +109,13 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
         T* const os = out + b * p.out_batch_stride + cc * p.out_c_stride;
 
         // The taps of channels c0 + 8 warp + cl: the table zeroed, then each weight (of x's
-        // dtype, its bits as they are) written into the two words that hold it, P[PAD + k] = the
-        // low half of word PAD + k and the high half of word PAD + k - 1. Lane (cl, k0) = (lane /
-        // 4, lane % 4) takes taps k0, k0 + 4, ..: all its loads in flight at once.
+        // dtype, its bits as they are) written into the two words that hold it, P[E + k] = the
+        // low half of word E + k and the high half of word E + k - 1 (E = D + 16 - width). Lane
+        // (cl, k0) = (lane / 4, lane % 4) takes taps k0, k0 + 4, ..: all its loads in flight.
         __syncwarp();  // the previous item's readers are done
         const int64 cw = c0 + 8 * warp;
         #pragma unroll
-        for (int i = lane; i < 2 * SIZE; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
+        for (int i = lane; i < 2 * TAB; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
         {
             constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
             const int cl = lane >> 2, k0 = lane & 3;
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                 w[r] = live && k < width ? wrow[k * p.weight_width_stride] : 0;
             }
             __syncwarp();  // the table is zeroed
-            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * SIZE + PAD);
+            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * TAB + D + 16 - width);
             #pragma unroll
             for (int r = 0; r < PER_LANE; ++r) {
                 const int k = k0 + 4 * r;
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                             const float bv = bias_s[cl];
                             #pragma unroll
                             for (int r = 0; r < 4; ++r) acc[h][r] = bv;
-                            const unsigned* const tw = tab + cl * SIZE + jb;
+                            const unsigned* const tw = tab + cl * TAB + jb;
                             #pragma unroll
                             for (int s = 0; s < KS; ++s) {
                                 const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
