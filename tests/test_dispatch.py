@@ -323,7 +323,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert plan.block == (32 * _forward_plan.CONSTANTS["MMA_CL_WARPS"], 1)
         # the ring (32 channels x 16 KS + 1 rows of 16 bytes), two staging buffers, the taps
         assert fields["taps_at"] == 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
-        assert plan.smem == fields["taps_at"] + 4 * (8 * 32 * ks + 8) * 4
+        assert plan.smem == fields["taps_at"] + 4 * (8 * (16 * ks + 16) + 8) * 4
         assert plan.smem + 1024 <= SM90_SMEM + 1024
     elif launched.startswith("fwd_mma<"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))
