@@ -51,12 +51,12 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Register budgets: at KS 2 that of 6 blocks an SM (80 registers, nothing spilled; the shared
-// memory holds 5 blocks, and the budget of 5, 96 registers, spills: 1-2 % slower), from KS 3 that
-// of 4 (128; at 96 KS 3 spills and runs slower; at KS 4 and 5 the shared memory leaves 3
-// blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
+// Register budgets: at KS 2 that of 6 blocks an SM (80 registers; the shared memory holds 5
+// blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that of 4 (128; at 96
+// KS 3 spills and runs slower), from KS 4 that of 3, the blocks the shared memory holds there:
+// benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 : 3) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
     static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
@@ -253,12 +253,15 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                             const float bv = bias_s[cl];
                             #pragma unroll
                             for (int r = 0; r < 4; ++r) acc[h][r] = bv;
+                            // A words tw[16 s + {0, -8, 8}]: k-step s + 1's second is s's third
                             const unsigned* const tw = tab + cl * TAB + jb;
+                            unsigned a1 = tw[-8];
                             #pragma unroll
                             for (int s = 0; s < KS; ++s) {
-                                const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
+                                const unsigned a0 = tw[16 * s], a2 = tw[16 * s + 8];
                                 const unsigned af[4] = {a0, a1, a2, a0};
                                 MmaOp<T>::run(acc[h], af, bf[s][0], bf[s][1]);
+                                a1 = a2;
                             }
                         }
                         #pragma unroll
