@@ -6,15 +6,15 @@
 //
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
-// m16n8k16 MMA. A block of MMA_CL_WARPS = 4 warps takes items (32 channels, 8 units), channel
-// group fastest, and walks its units' pieces together in steps of MMA_CL_STEP = 16 positions:
-// out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs t0 + o of every column, KS MMAs
-// of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp w computing channels 8 w ..
-// 8 w + 7 of the 32.
+// m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 4, from KS MMA_CL_MORE_WARPS 8) takes items
+// (32 channels, 8 units), channel group fastest, and walks its units' pieces together in steps
+// of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs
+// t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp
+// w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
 // by cp.async into a staging buffer (one of two: the next step's copy is in flight while this
-// one is computed), are moved by the warp that copied them (positions w, w + 4, ..) into the
+// one is computed), are moved by the warp that copied them (positions w, w + W, ..) into the
 // ring with one ldmatrix (8 units x 8 channels a matrix, a unit's 16 bytes a row) and one
 // stmatrix.trans (a channel's 8 units a row), and the block computes from the ring: channel c's
 // ring holds the last KS blocks of 16 positions, a position's 8 units in one 16-byte row, so one
@@ -51,17 +51,28 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Register budgets: at KS 2 that of 6 blocks an SM (80 registers; the shared memory holds 5
-// blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that of 4 (128; at 96
-// KS 3 spills and runs slower), from KS 4 that of 3, the blocks the shared memory holds there:
-// benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
+// Warps a block at KS k-steps.
+__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return ks >= MMA_CL_MORE_WARPS ? 8 : MMA_CL_WARPS; }
+
+// Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
+// memory holds 5 blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that
+// of 4 (128; at 96 KS 3 spills and runs slower), from KS 4 that of 3, the blocks the shared
+// memory holds there: benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by
+// cp.async". 8 warps a block: that of 2 blocks up to KS 9 (128 registers, no spills; 80, for
+// 3 blocks, spill in the step loop from KS 3), 1 beyond (the shared memory holds one).
+__host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
+    return fwd_mma_cl_warps(ks) == 8 ? (ks <= 9 ? 2 : 1) : ks <= 2 ? 6 : ks == 3 ? 4 : 3;
+}
+
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 : 3) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+__global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(KS)) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
-    static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
+    constexpr int W = fwd_mma_cl_warps(KS), CH = 32, CPW = CH / W;  // warps; channels a block, a warp
+    constexpr int RP = MMA_CL_STEP / W;  // positions of a step each thread copies in, moves and out
+    static_assert((W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
     constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
-    constexpr int CH = 8 * MMA_CL_WARPS, RING = 16 * KS;  // channels a block; ring rows a channel
+    constexpr int RING = 16 * KS;  // ring rows a channel
     constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
@@ -73,11 +84,11 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
     uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
     unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
+    // This warp's CPW channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
     // width + k] = w[k] (the last tap at D + 15, zeros around them), then the 8 biases. A lane
     // reads words 15 + 2 tg - g + 16 s + {0, -8, 8}: 0 .. D + 29 of TAB, whatever the width.
-    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (8 * TAB + 8);
-    float* const bias_s = reinterpret_cast<float*>(tab + 8 * TAB);
+    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (CPW * TAB + CPW);
+    float* const bias_s = reinterpret_cast<float*>(tab + CPW * TAB);
 
     // The 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging buffer: units
     // of odd positions swapped in pairs, pieces of a 64-byte row rotated by (u >> 1) & 3.
@@ -108,75 +119,76 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
         const T* const xs = x + b * p.x_batch_stride + cc;
         T* const os = out + b * p.out_batch_stride + cc * p.out_c_stride;
 
-        // The taps of channels c0 + 8 warp + cl: the table zeroed, then each weight (of x's
+        // The taps of channels c0 + CPW warp + cl: the table zeroed, then each weight (of x's
         // dtype, its bits as they are) written into the two words that hold it, P[E + k] = the
         // low half of word E + k and the high half of word E + k - 1 (E = D + 16 - width). Lane
-        // (cl, k0) = (lane / 4, lane % 4) takes taps k0, k0 + 4, ..: all its loads in flight.
+        // (cl, k0) = (lane / LPC, lane % LPC) takes taps k0, k0 + LPC, ..: all its loads in flight.
         __syncwarp();  // the previous item's readers are done
-        const int64 cw = c0 + 8 * warp;
+        const int64 cw = c0 + CPW * warp;
         #pragma unroll
-        for (int i = lane; i < 2 * TAB; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
+        for (int i = lane; i < CPW * TAB / 4; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
         {
-            constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
-            const int cl = lane >> 2, k0 = lane & 3;
+            constexpr int LPC = 32 / CPW, PER_LANE = (D + 1 + LPC - 1) / LPC;  // lanes a channel (width <= D + 1)
+            const int cl = lane / LPC, k0 = lane % LPC;
             const bool live = cw + cl < dim;
             const unsigned short* const wrow =
                 static_cast<const unsigned short*>(weight) + (live ? (cw + cl) * p.weight_c_stride : 0);
             unsigned short w[PER_LANE];
             #pragma unroll
             for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
+                const int k = k0 + LPC * r;
                 w[r] = live && k < width ? wrow[k * p.weight_width_stride] : 0;
             }
             __syncwarp();  // the table is zeroed
             unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * TAB + D + 16 - width);
             #pragma unroll
             for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
+                const int k = k0 + LPC * r;
                 if (k < width) half[2 * k] = half[2 * k - 1] = w[r];
             }
         }
-        if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
+        if (lane < CPW) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
         __syncwarp();
 
         // Step a copies positions (a - KS + 1) 16 + i of each piece (the first KS - 1 steps: the D
-        // before it); this thread copies i = warp + 4 r, pieces 128 apart. Steps whose four
+        // before it); this thread copies i = warp + W r, pieces PSTEP apart. Steps whose RP
         // positions lie inside the unit's span (or the D before it) and the row go unchecked.
+        constexpr int PSTEP = 32 * W;  // 16-byte pieces from a thread's position to its next
         const bool fast_in = whole_in && unit_ok;
         const T* xa = xs + (start - D + warp) * p.x_l_stride;  // this thread's first position of the next step
-        const int64 x_step = 4 * p.x_l_stride;
+        const int64 x_step = W * p.x_l_stride;
         // (positions relative to start in int: the piece's length, and where x begins, -D at most)
         const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
         auto copy_in = [&](int a) {
             uint4* const dst = piece((int)(a & 1), warp, cu, cm);
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
-            if (fast_in && rel >= lo && rel + 12 < len) {
+            if (fast_in && rel >= lo && rel + (16 - W) < len) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) cp_async<16, 128>(dst + 128 * r, xa + r * x_step, 16);
+                for (int r = 0; r < RP; ++r) cp_async<16, 128>(dst + PSTEP * r, xa + r * x_step, 16);
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < 4; ++r) {
-                    const int64 pos = t0 + 4 * r;
+                for (int r = 0; r < RP; ++r) {
+                    const int64 pos = t0 + W * r;
                     const bool live = pos < end || (pos < seqlen && pos < start);  // (the D before a piece)
                     if (fast_in && pos >= 0) {
-                        cp_async<16, 128>(dst + 128 * r, live ? xa + r * x_step : x, live ? 16 : 0);
+                        cp_async<16, 128>(dst + PSTEP * r, live ? xa + r * x_step : x, live ? 16 : 0);
                     } else if (!unit_ok || !live || pos < -(width - 1) || cc >= dim || (pos < 0 && !initial_states)) {
-                        cp_async<16, 128>(dst + 128 * r, x, 0);
+                        cp_async<16, 128>(dst + PSTEP * r, x, 0);
                     } else {
                         Vec<T> v;
                         #pragma unroll 1
                         for (int e = 0; e < VN; ++e) v.e[e] = window_input(x, initial_states, p, b, cc + e, pos);
-                        dst[128 * r] = v.raw;
+                        dst[PSTEP * r] = v.raw;
                     }
                 }
             }
-            xa += 4 * x_step;
+            xa += RP * x_step;
             cp_async_commit();
         };
 
         T* oa = os + (start + warp) * p.out_l_stride;  // this thread's first output of the next step
-        const int64 o_step = 4 * p.out_l_stride;
+        const int64 o_step = W * p.out_l_stride;
         copy_in(0);
         // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
         // + 1 + s (mod KS), the oldest first.
@@ -191,17 +203,17 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
                 cp_async_wait<0>();
             }
             __syncwarp();  // the pieces the other lanes copied have landed
-            // This warp's positions i = warp + 4 r into ring block blk_in: matrix m (lanes 8 m + j
+            // This warp's positions i = warp + W r into ring block blk_in: matrix m (lanes 8 m + j
             // address its rows) = units j, channels 8 m ..; stored transposed, row j = channel 8 m
             // + j.
             {
                 const int m = lane >> 3, j = lane & 7;
                 uint4* const to = ring_row(8 * m + j, blk_in * 16 + warp);
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
+                for (int r = 0; r < RP; ++r) {
                     unsigned w[4];
-                    ldmatrix_x4(w, piece(buf, warp + 4 * r, j, m));
-                    stmatrix_x4_trans(w, to + 4 * r);
+                    ldmatrix_x4(w, piece(buf, warp + W * r, j, m));
+                    stmatrix_x4_trans(w, to + W * r);
                 }
             }
             __syncthreads();  // the ring holds the step's window
@@ -209,7 +221,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
 
             // The 16 outputs of each column at positions (a - KS + 1) 16 .. of its piece. The B
             // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
-            // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel 8 warp + cl at
+            // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel CPW warp + cl at
             // bfrom[s / 2] + cl (RING + 1).
             unsigned bfrom[(KS + 1) / 2];
             {
@@ -219,7 +231,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
                     int blk = blk_in + 1 + s + (mq >> 1);
                     blk = blk >= KS ? blk - KS : blk;
                     blk = blk >= KS ? blk - KS : blk;
-                    bfrom[s / 2] = smem_address(ring_row(8 * warp, blk * 16 + 8 * (mq & 1) + j));
+                    bfrom[s / 2] = smem_address(ring_row(CPW * warp, blk * 16 + 8 * (mq & 1) + j));
                 }
             }
             // Returns the sum of the step's pre-activations (not finite if one of them is not).
@@ -227,7 +239,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
                 constexpr bool SILU = decltype(silu_flag)::value;
                 float sums = 0.f;
                 #pragma unroll 1
-                for (int half = 0; half < 2; ++half) {  // channel pairs 2 half, 2 half + 1 (a loop: fewer registers)
+                for (int half = 0; half < CPW / 4; ++half) {  // channel pairs 2 half, 2 half + 1 (a loop: fewer registers)
                     unsigned packed[4][2];  // [place r][pair p2]: (position g + 8 (r >> 1), unit 2 tg + (r & 1))
                     #pragma unroll
                     for (int p2 = 0; p2 < 2; ++p2) {
@@ -274,10 +286,12 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
                             packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }
                     }
+                    // Channels 4 q .. 4 q + 3 of the block: 8-byte half q & 1 of 16-byte piece q / 2
                     // (halves swapped where bit 1 of the position is set: two lanes a bank, not four)
+                    const int q = CPW / 4 * warp + half;
                     #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp))[half ^ ((g >> 1) & 1)] =
+                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), q >> 1))[(q & 1) ^ ((g >> 1) & 1)] =
                             make_uint2(packed[r][0], packed[r][1]);
                 }
                 return sums;
@@ -285,22 +299,22 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
             const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
             const bool redo = __syncthreads_or(!isfinite(sums));  // the outputs are in the buffer
 
-            // This thread's pieces out: positions i = warp + 4 r of its unit and channels.
-            // (positions warp + 4 r: bit 1 is warp's, and where it is set the halves come swapped)
+            // This thread's pieces out: positions i = warp + W r of its unit and channels.
+            // (positions warp + W r: bit 1 is warp's, and where it is set the halves come swapped)
             const uint4* const from = piece(buf, warp, cu, cm);
             auto output = [&](int r) {
-                const uint4 v = from[128 * r];
+                const uint4 v = from[PSTEP * r];
                 return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
             };
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
-            if (!redo && whole_out && rel + 12 < len) {
+            if (!redo && whole_out && rel + (16 - W) < len) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
+                for (int r = 0; r < RP; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < 4; ++r) {
-                    const int64 pos = t0 + 4 * r;
+                for (int r = 0; r < RP; ++r) {
+                    const int64 pos = t0 + W * r;
                     if (pos >= end || cc >= dim) continue;
                     Vec<T> v;
                     v.raw = output(r);
@@ -314,7 +328,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : KS == 3 ? 4 :
                     }
                 }
             }
-            oa += 4 * o_step;
+            oa += RP * o_step;
         }
     }
 }
