@@ -7,10 +7,10 @@
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
 // m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 4, from KS MMA_CL_MORE_WARPS 8) takes items
-// (32 channels, 8 units), channel group fastest, and walks its units' pieces together in steps
-// of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs
-// t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp
-// w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
+// (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks its units' pieces
+// together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
+// the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
+// 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
 // by cp.async into a staging buffer (one of two: the next step's copy is in flight while this
@@ -67,9 +67,9 @@ __host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(KS)) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
-    constexpr int W = fwd_mma_cl_warps(KS), CH = 32, CPW = CH / W;  // warps; channels a block, a warp
+    constexpr int W = fwd_mma_cl_warps(KS), CH = MMA_CL_GROUP, CPW = CH / W;  // warps; channels a block, a warp
     constexpr int RP = MMA_CL_STEP / W;  // positions of a step each thread copies in, moves and out
-    static_assert((W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
+    static_assert(CH == 32 && (W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
     constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
     constexpr int RING = 16 * KS;  // ring rows a channel
