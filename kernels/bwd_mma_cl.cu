@@ -316,15 +316,11 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     float acc[4], odd[4];  // the even and the odd k-steps: two MMA chains
                     #pragma unroll
                     for (int r = 0; r < 4; ++r) acc[r] = bias_s[cl], odd[r] = 0.f;
-                    // A words tw[16 s + {0, -8, 8}]: k-step s + 1's second is s's third
-                    const unsigned* const tw = tab + cl * TAB + jb;
-                    unsigned a1 = tw[-8];
                     #pragma unroll
                     for (int s = 0; s < KS; ++s) {
-                        const unsigned a0 = tw[16 * s], a2 = tw[16 * s + 8];
-                        const unsigned af[4] = {a0, a1, a2, a0};
+                        const unsigned* const tw = tab + cl * TAB + jb + 16 * s;
+                        const unsigned af[4] = {tw[0], tw[-8], tw[8], tw[0]};
                         MmaOp<T>::run(s & 1 ? odd : acc, af, bf[s][0], bf[s][1]);
-                        a1 = a2;
                     }
                     #pragma unroll
                     for (int r = 0; r < 4; ++r) acc[r] += odd[r];
@@ -369,18 +365,13 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                         b_fragments(bl, ring(3, 8 * warp + cl));
                         #pragma unroll
                         for (int r = 0; r < 4; ++r) acc[h][r] = low[h][r] = 0.f;
-                        // the words tw[-16 s + {0, 8, -8}], halves swapped: k-step s + 1's
-                        // second is s's third
-                        const unsigned* const tw = tab + cl * TAB + D + 29 - jb;
-                        unsigned a1 = __byte_perm(tw[8], 0, 0x1032);
                         #pragma unroll
                         for (int s = 0; s < KS; ++s) {
-                            const unsigned a0 = __byte_perm(tw[-16 * s], 0, 0x1032);
-                            const unsigned a2 = __byte_perm(tw[-16 * s - 8], 0, 0x1032);
-                            const unsigned af[4] = {a0, a1, a2, a0};
+                            const unsigned* const tw = tab + cl * TAB + D + 29 - jb - 16 * s;
+                            const unsigned a0 = __byte_perm(tw[0], 0, 0x1032);
+                            const unsigned af[4] = {a0, __byte_perm(tw[8], 0, 0x1032), __byte_perm(tw[-8], 0, 0x1032), a0};
                             MmaOp<T>::run(acc[h], af, bh[s][0], bh[s][1]);
                             MmaOp<T>::run(LF == 1 ? low[h] : acc[h], af, bl[s][0], bl[s][1]);
-                            a1 = a2;
                         }
                     }
                     #pragma unroll

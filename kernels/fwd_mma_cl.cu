@@ -265,15 +265,12 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                             const float bv = bias_s[cl];
                             #pragma unroll
                             for (int r = 0; r < 4; ++r) acc[h][r] = bv;
-                            // A words tw[16 s + {0, -8, 8}]: k-step s + 1's second is s's third
                             const unsigned* const tw = tab + cl * TAB + jb;
-                            unsigned a1 = tw[-8];
                             #pragma unroll
                             for (int s = 0; s < KS; ++s) {
-                                const unsigned a0 = tw[16 * s], a2 = tw[16 * s + 8];
+                                const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
                                 const unsigned af[4] = {a0, a1, a2, a0};
                                 MmaOp<T>::run(acc[h], af, bf[s][0], bf[s][1]);
-                                a1 = a2;
                             }
                         }
                         #pragma unroll
