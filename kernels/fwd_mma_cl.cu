@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
     unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // This warp's CPW channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
-    // width + k] = w[k] (the last tap at D + 15, zeros around them), then the 8 biases. A lane
+    // width + k] = w[k] (the last tap at D + 15, zeros around them), then the CPW biases. A lane
     // reads words 15 + 2 tg - g + 16 s + {0, -8, 8}: 0 .. D + 29 of TAB, whatever the width.
     unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (CPW * TAB + CPW);
     float* const bias_s = reinterpret_cast<float*>(tab + CPW * TAB);
