@@ -6,7 +6,8 @@ against a direct causal convolution; a model of bwd_mma_time's backward (a group
 the rows of A, shifted across lanes and groups, the bands as B, dweight from register
 transposes summed along its lags) against the reference backward; and models of the
 channel-last moves of fwd_mma and bwd_mma (index math, byte permutations, shared-memory bank
-conflicts).
+conflicts); and fwd_mma_cl's bookkeeping of a block's staging buffer (who copies, moves,
+computes and writes out which pieces, for each block size).
 """
 
 import numpy as np
@@ -460,3 +461,78 @@ def test_float16_is_two_bfloat16_parts_exactly():
     lo = (x - hi).astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(hi + lo, x)
     assert np.count_nonzero(lo) > len(x) // 2  # the low part carries bits for most values
+
+
+# ---- fwd_mma_cl: who stages, moves, computes and writes out what ------------------------------
+
+
+def cl_piece(i, u, m):
+    """fwd_mma_cl's 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging
+    buffer: units of odd positions swapped in pairs, pieces of a 64-byte row rotated."""
+    return (i * 8 + (u ^ (i & 1))) * 4 + (m ^ ((u >> 1) & 3))
+
+
+@pytest.mark.parametrize("warps", (4, 8))
+def test_channel_last_block_bookkeeping(warps):
+    """fwd_mma_cl's blocks of 4 or 8 warps (8 or 4 of the block's 32 channels each):
+    every staged piece of a step is copied in once, a warp moves only the pieces it copied,
+    every (position, unit, channel) output is placed once and written out by the thread that
+    copies its piece, to its own position, unit and channel; the 8-byte output stores of a half
+    warp are free of bank conflicts; each warp's tap table is 16-byte aligned and each tap of
+    its channels is loaded by one lane."""
+    cpw, rp, pstep = 32 // warps, 16 // warps, 32 * warps
+    group = min(cpw, 4)
+    copied = {}
+    for warp in range(warps):
+        for lane in range(32):
+            cu, cm = lane >> 2, lane & 3
+            for r in range(rp):
+                assert cl_piece(warp, cu, cm) + pstep * r == cl_piece(warp + warps * r, cu, cm)
+                copied[cl_piece(warp + warps * r, cu, cm)] = warp
+    assert sorted(copied) == list(range(16 * 8 * 4))
+    for warp in range(warps):  # the move: lane 8 m + j reads piece (position, unit j, m)
+        for lane in range(32):
+            m, j = lane >> 3, lane & 7
+            assert all(copied[cl_piece(warp + warps * r, j, m)] == warp for r in range(rp))
+    placed = {}
+    for warp in range(warps):
+        for grp in range(cpw // group):
+            q = cpw // group * warp + grp
+            for r in range(4):
+                half_warp_addresses = ([], [])
+                for lane in range(32):
+                    g, tg = lane >> 2, lane & 3
+                    pos, unit, swap = g + 8 * (r >> 1), 2 * tg + (r & 1), (g >> 1) & 1
+                    byte = 16 * cl_piece(pos, unit, q // (8 // group))
+                    if group == 4:
+                        byte += 8 * ((q & 1) ^ swap)
+                        half_warp_addresses[lane >> 4].append(byte)
+                    else:
+                        byte += 4 * ((q & 3) ^ (2 * swap))
+                    for c in range(group):  # channel pair p2 = c // 2, element c % 2
+                        assert (byte + 2 * c) not in placed
+                        placed[byte + 2 * c] = (pos, unit, cpw * warp + group * grp + c)
+                if group == 4:
+                    assert all(conflict_free(a, 8) for a in half_warp_addresses)
+    assert len(placed) == 16 * 8 * 32
+    for warp in range(warps):  # the copy out: halves swapped back where bit 1 of warp is set
+        for lane in range(32):
+            cu, cm = lane >> 2, lane & 3
+            for r in range(rp):
+                byte = 16 * (cl_piece(warp, cu, cm) + pstep * r)
+                for e in range(8):
+                    got = placed[byte + 2 * (e ^ 4 if warp & 2 else e)]
+                    assert got == (warp + warps * r, cu, 8 * cm + e)
+    for ks in range(2, 18):
+        d = 16 * (ks - 1)
+        tab = d + 32  # words of a channel's table
+        assert all(warp * cpw * tab % 4 == 0 for warp in range(warps))
+        lanes_a_channel = 32 // cpw
+        taps = [
+            (lane // lanes_a_channel, lane % lanes_a_channel + lanes_a_channel * r)
+            for lane in range(32)
+            for r in range(-(-(d + 1) // lanes_a_channel))
+        ]
+        assert sorted(t for t in taps if t[1] <= d) == [
+            (c, k) for c in range(cpw) for k in range(d + 1)
+        ]
