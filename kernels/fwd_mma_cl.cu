@@ -13,16 +13,18 @@
 // 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
-// by cp.async into a staging buffer (one of two: the next step's copy is in flight while this
-// one is computed), are moved by the warp that copied them (positions w, w + W, ..) into the
-// ring with one ldmatrix (8 units x 8 channels a matrix, a unit's 16 bytes a row) and one
-// stmatrix.trans (a channel's 8 units a row), and the block computes from the ring: channel c's
-// ring holds the last KS blocks of 16 positions, a position's 8 units in one 16-byte row, so one
+// by cp.async into a staging buffer (one of MMA_CL_BUFFERS = 3: the copy two steps ahead is in
+// flight while this step is computed and the last step's outputs wait to go out), are moved by
+// the warp that copied them (positions w, w + W, ..) into the ring with one ldmatrix (8 units x 8
+// channels a matrix, a unit's 16 bytes a row) and one stmatrix.trans (a channel's 8 units a row),
+// and the block computes from the ring: channel c's ring holds the last KS + 1 blocks of 16
+// positions (a step's window and the block the next step fills while warps still compute this
+// one: one block barrier a step), a position's 8 units in one 16-byte row, so one
 // ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g, tg): positions
 // 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
 // channels for each of a lane's four (position, unit) places, go back through the staging buffer
-// just read and out in 64-byte runs by the threads that copied them in. Channels' rings lie
-// 16 KS + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
+// just read and out, at the next step's barrier, in 64-byte runs by the threads that copied
+// them in. Channels' rings lie 16 (KS + 1) + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
 // staging buffer's 16-byte pieces are swizzled, and the outputs' 8-byte halves are swapped at
 // positions with bit 1 set (a warp's 8-byte output store then takes two shared-memory
 // wavefronts, not four: benchmarks/NOTES.md, "fwd_mma_cl's shared memory under ncu").
@@ -72,7 +74,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
     static_assert(CH == 32 && (W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
     constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
-    constexpr int RING = 16 * KS;  // ring rows a channel
+    constexpr int RB = KS + 1, RING = 16 * RB;  // ring blocks (one more than a window), rows a channel
     constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
-    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
+    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // MMA_CL_BUFFERS buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // This warp's CPW channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
     // width + k] = w[k] (the last tap at D + 15, zeros around them), then the CPW biases. A lane
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
         // (positions relative to start in int: the piece's length, and where x begins, -D at most)
         const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
         auto copy_in = [&](int a) {
-            uint4* const dst = piece((int)(a & 1), warp, cu, cm);
+            uint4* const dst = piece(a % MMA_CL_BUFFERS, warp, cu, cm);
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
             if (fast_in && rel >= lo && rel + (16 - W) < len) {
@@ -189,19 +191,55 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
 
         T* oa = os + (start + warp) * p.out_l_stride;  // this thread's first output of the next step
         const int64 o_step = W * p.out_l_stride;
-        copy_in(0);
-        // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
-        // + 1 + s (mod KS), the oldest first.
-        int blk_in = 0;
-        #pragma unroll 1
-        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == KS ? 0 : blk_in + 1) {
-            const int buf = (int)(a & 1);
-            if (a + 1 < n_steps) {
-                copy_in(a + 1);
-                cp_async_wait<1>();
+        // This thread's pieces of step a's outputs out of buffer buf: positions i = warp + W r of
+        // its unit and channels (bit 1 of those positions is warp's, and where it is set the
+        // halves come swapped).
+        auto copy_out = [&](int a, int buf, bool redo) {
+            const uint4* const from = piece(buf, warp, cu, cm);
+            auto output = [&](int r) {
+                const uint4 v = from[PSTEP * r];
+                return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
+            };
+            const int rel = (a - KS + 1) * 16 + warp;
+            const int64 t0 = start + rel;
+            if (!redo && whole_out && rel + (16 - W) < len) {
+                #pragma unroll
+                for (int r = 0; r < RP; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
             } else {
-                cp_async_wait<0>();
+                #pragma unroll 1
+                for (int r = 0; r < RP; ++r) {
+                    const int64 pos = t0 + W * r;
+                    if (pos >= end || cc >= dim) continue;
+                    Vec<T> v;
+                    v.raw = output(r);
+                    if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
+                    T* const o = oa + r * o_step;
+                    if (whole_out) {
+                        *reinterpret_cast<uint4*>(o) = v.raw;
+                    } else {
+                        #pragma unroll 1
+                        for (int e = 0; e < VN && cc + e < dim; ++e) o[e * p.out_c_stride] = v.e[e];
+                    }
+                }
             }
+            oa += RP * o_step;
+        };
+
+        // One block barrier a step: step a's outputs wait in their buffer until step a + 1's
+        // barrier (all warps' outputs written, and its OR says whether one was not finite), the
+        // copy two steps ahead goes into the buffer just copied out, and the ring's block for step
+        // a + 1 is one no warp still computing step a reads (RB = KS + 1 blocks).
+        static_assert(MMA_CL_BUFFERS == 3, "a step's copy in flight, a step's window, a step's outputs");
+        copy_in(0);
+        if (1 < n_steps) copy_in(1);
+        // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
+        // + 2 + s (mod RB), the oldest first.
+        int blk_in = 0, buf = 0, out_buf = -1;  // (out_buf: the buffer of outputs to copy out)
+        float last = 0.f;  // the sum of the last computed step's pre-activations
+        #pragma unroll 1
+        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == RB ? 0 : blk_in + 1, buf = buf + 1 == 3 ? 0 : buf + 1) {
+            if (a + 1 < n_steps) cp_async_wait<1>();
+            else cp_async_wait<0>();
             __syncwarp();  // the pieces the other lanes copied have landed
             // This warp's positions i = warp + W r into ring block blk_in: matrix m (lanes 8 m + j
             // address its rows) = units j, channels 8 m ..; stored transposed, row j = channel 8 m
@@ -216,21 +254,25 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                     stmatrix_x4_trans(w, to + W * r);
                 }
             }
-            __syncthreads();  // the ring holds the step's window
+            // the ring holds the step's window; the last step's outputs are in their buffer
+            const bool redo = __syncthreads_or(!isfinite(last));
+            if (out_buf >= 0) copy_out(a - 1, out_buf, redo);
+            out_buf = -1;
+            if (a + 2 < n_steps) copy_in(a + 2);  // (into the buffer just copied out)
             if (a < KS - 1) continue;
 
             // The 16 outputs of each column at positions (a - KS + 1) 16 .. of its piece. The B
             // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
-            // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel CPW warp + cl at
+            // position 8 (mq & 1) + j of block blk_in + 2 + s + (mq >> 1), in channel CPW warp + cl at
             // bfrom[s / 2] + cl (RING + 1).
             unsigned bfrom[(KS + 1) / 2];
             {
                 const int mq = lane >> 3, j = lane & 7;
                 #pragma unroll
                 for (int s = 0; s < KS; s += 2) {
-                    int blk = blk_in + 1 + s + (mq >> 1);
-                    blk = blk >= KS ? blk - KS : blk;
-                    blk = blk >= KS ? blk - KS : blk;
+                    int blk = blk_in + 2 + s + (mq >> 1);
+                    blk = blk >= RB ? blk - RB : blk;
+                    blk = blk >= RB ? blk - RB : blk;
                     bfrom[s / 2] = smem_address(ring_row(CPW * warp, blk * 16 + 8 * (mq & 1) + j));
                 }
             }
@@ -293,39 +335,10 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                 }
                 return sums;
             };
-            const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
-            const bool redo = __syncthreads_or(!isfinite(sums));  // the outputs are in the buffer
-
-            // This thread's pieces out: positions i = warp + W r of its unit and channels.
-            // (positions warp + W r: bit 1 is warp's, and where it is set the halves come swapped)
-            const uint4* const from = piece(buf, warp, cu, cm);
-            auto output = [&](int r) {
-                const uint4 v = from[PSTEP * r];
-                return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
-            };
-            const int rel = (a - KS + 1) * 16 + warp;
-            const int64 t0 = start + rel;
-            if (!redo && whole_out && rel + (16 - W) < len) {
-                #pragma unroll
-                for (int r = 0; r < RP; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
-            } else {
-                #pragma unroll 1
-                for (int r = 0; r < RP; ++r) {
-                    const int64 pos = t0 + W * r;
-                    if (pos >= end || cc >= dim) continue;
-                    Vec<T> v;
-                    v.raw = output(r);
-                    if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
-                    T* const o = oa + r * o_step;
-                    if (whole_out) {
-                        *reinterpret_cast<uint4*>(o) = v.raw;
-                    } else {
-                        #pragma unroll 1
-                        for (int e = 0; e < VN && cc + e < dim; ++e) o[e * p.out_c_stride] = v.e[e];
-                    }
-                }
-            }
-            oa += RP * o_step;
+            last = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
+            out_buf = buf;
         }
+        const bool redo = __syncthreads_or(!isfinite(last));  // the last step's outputs are in their buffer
+        if (out_buf >= 0) copy_out(n_steps - 1, out_buf, redo);
     }
 }
