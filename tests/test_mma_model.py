@@ -7,7 +7,8 @@ the rows of A, shifted across lanes and groups, the bands as B, dweight from reg
 transposes summed along its lags) against the reference backward; and models of the
 channel-last moves of fwd_mma and bwd_mma (index math, byte permutations, shared-memory bank
 conflicts); and fwd_mma_cl's bookkeeping of a block's staging buffer (who copies, moves,
-computes and writes out which pieces, for each block size).
+computes and writes out which pieces, for each block size) and its step of one block barrier
+(which warps touch which places of shared memory between two barriers).
 """
 
 import numpy as np
@@ -536,3 +537,64 @@ def test_channel_last_block_bookkeeping(warps):
         assert sorted(t for t in taps if t[1] <= d) == [
             (c, k) for c in range(cpw) for k in range(d + 1)
         ]
+
+
+def one_barrier_conflicts(ks, warps, ring_blocks, buffers, steps=12):
+    """fwd_mma_cl's step protocol with one block barrier a step, as sets of accesses: the
+    shared-memory places two warps touch between the same two barriers (an epoch) where one
+    of them writes, or where a copy in flight lands on a place another warp reads."""
+    channels, cpw = 32, 32 // warps
+    positions = [[w + warps * r for r in range(16 // warps)] for w in range(warps)]
+    buf = [a % buffers for a in range(steps + 2)]
+    blk = [a % ring_blocks for a in range(steps + 2)]
+    window = {a: {blk[a] - s for s in range(ks)} for a in range(steps)}  # (mod ring_blocks)
+    window = {a: {b % ring_blocks for b in bs} for a, bs in window.items()}
+    # accesses[epoch][warp] = [(place, writes)]; epoch a: after barrier a, up to barrier a + 1
+    accesses = [[[] for _ in range(warps)] for _ in range(steps + 2)]
+    for w in range(warps):
+        own = range(cpw * w, cpw * w + cpw)
+        for a in range(steps):
+            # before barrier a (epoch a - 1): the move of step a from its buffer into the ring
+            for i in positions[w]:
+                for c in range(channels):
+                    accesses[a - 1][w].append((("buf", buf[a], i, c), False))
+                    accesses[a - 1][w].append((("ring", blk[a], i, c), True))
+            # after barrier a (epoch a): step a - 1's outputs out, the copy of step a + 2 in
+            # (landing by barrier a + 2), step a's window read and its outputs written
+            for i in positions[w]:
+                for c in range(channels):
+                    if a >= 1 and a - 1 >= ks - 1:
+                        accesses[a][w].append((("buf", buf[a - 1], i, c), False))
+                    if a + 2 < steps:
+                        for e in (a, a + 1):
+                            accesses[e][w].append((("buf", buf[a + 2], i, c), True))
+            if a >= ks - 1:
+                for b in window[a]:
+                    for i in range(16):
+                        for c in own:
+                            accesses[a][w].append((("ring", b, i, c), False))
+                for i in range(16):
+                    for c in own:
+                        accesses[a][w].append((("buf", buf[a], i, c), True))
+    conflicts = 0
+    for epoch in accesses:
+        seen = {}
+        for w, acc in enumerate(epoch):
+            for place, writes in acc:
+                seen.setdefault(place, []).append((w, writes))
+        for users in seen.values():
+            ws = {w for w, _ in users}
+            if len(ws) > 1 and any(writes for _, writes in users):
+                conflicts += 1
+    return conflicts
+
+
+@pytest.mark.parametrize("ks", (2, 3, 5))
+@pytest.mark.parametrize("warps", (4, 8))
+def test_channel_last_one_barrier_a_step(ks, warps):
+    """With a ring of KS + 1 blocks and three staging buffers, no two warps touch one place of
+    shared memory between the same two barriers where one writes it (a copy in flight counted
+    as writing until the barrier after it lands); a ring of KS blocks, or two buffers, would."""
+    assert one_barrier_conflicts(ks, warps, ks + 1, 3) == 0
+    assert one_barrier_conflicts(ks, warps, ks, 3) > 0
+    assert one_barrier_conflicts(ks, warps, ks + 1, 2) > 0
