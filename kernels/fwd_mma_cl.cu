@@ -6,23 +6,25 @@
 //
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
-// m16n8k16 MMA. A block of MMA_CL_WARPS = 4 warps takes items (32 channels, 8 units), channel
-// group fastest, and walks its units' pieces together in steps of MMA_CL_STEP = 16 positions:
-// out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs t0 + o of every column, KS MMAs
-// of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp w computing channels 8 w ..
-// 8 w + 7 of the 32.
+// m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 4, from KS MMA_CL_MORE_WARPS 8) takes items
+// (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks its units' pieces
+// together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
+// the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
+// 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
-// by cp.async into a staging buffer (one of two: the next step's copy is in flight while this
-// one is computed), are moved by the warp that copied them (positions w, w + 4, ..) into the
-// ring with one ldmatrix (8 units x 8 channels a matrix, a unit's 16 bytes a row) and one
-// stmatrix.trans (a channel's 8 units a row), and the block computes from the ring: channel c's
-// ring holds the last KS blocks of 16 positions, a position's 8 units in one 16-byte row, so one
+// by cp.async into a staging buffer (one of MMA_CL_BUFFERS = 3: the copy two steps ahead is in
+// flight while this step is computed and the last step's outputs wait to go out), are moved by
+// the warp that copied them (positions w, w + W, ..) into the ring with one ldmatrix (8 units x 8
+// channels a matrix, a unit's 16 bytes a row) and one stmatrix.trans (a channel's 8 units a row),
+// and the block computes from the ring: channel c's ring holds the last KS + 1 blocks of 16
+// positions (a step's window and the block the next step fills while warps still compute this
+// one: one block barrier a step), a position's 8 units in one 16-byte row, so one
 // ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g, tg): positions
 // 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
 // channels for each of a lane's four (position, unit) places, go back through the staging buffer
-// just read and out in 64-byte runs by the threads that copied them in. Channels' rings lie
-// 16 KS + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
+// just read and out, at the next step's barrier, in 64-byte runs by the threads that copied
+// them in. Channels' rings lie 16 (KS + 1) + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
 // staging buffer's 16-byte pieces are swizzled, and the outputs' 8-byte halves are swapped at
 // positions with bit 1 set (a warp's 8-byte output store then takes two shared-memory
 // wavefronts, not four: benchmarks/NOTES.md, "fwd_mma_cl's shared memory under ncu").
@@ -51,17 +53,28 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Register budgets: at KS 2 that of 6 blocks an SM (80 registers, nothing spilled; the shared
-// memory holds 5 blocks, and the budget of 5, 96 registers, spills: 1-2 % slower), from KS 3 that
-// of 4 (128; at 96 KS 3 spills and runs slower; at KS 4 / 5 the shared memory leaves 3 / 2
-// blocks an SM): benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
+// Warps a block at KS k-steps.
+__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return ks >= MMA_CL_MORE_WARPS ? 8 : MMA_CL_WARPS; }
+
+// Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
+// memory holds 5 blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that
+// of 4 (128; at 96 KS 3 spills and runs slower), from KS 4 that of 3, the blocks the shared
+// memory holds there: benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by
+// cp.async". 8 warps a block: that of 2 blocks up to KS 9 (128 registers, no spills; 80, for
+// 3 blocks, spill in the step loop from KS 3), 1 beyond (the shared memory holds one).
+__host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
+    return fwd_mma_cl_warps(ks) == 8 ? (ks <= 9 ? 2 : 1) : ks <= 2 ? 6 : ks == 3 ? 4 : 3;
+}
+
 template <typename T, int KS>
-__global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
+__global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(KS)) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
-    static_assert(MMA_CL_WARPS == 4 && MMA_CL_STEP == 16, "4 warps of 8 channels, steps of one k-step");
+    constexpr int W = fwd_mma_cl_warps(KS), CH = MMA_CL_GROUP, CPW = CH / W;  // warps; channels a block, a warp
+    constexpr int RP = MMA_CL_STEP / W;  // positions of a step each thread copies in, moves and out
+    static_assert(CH == 32 && (W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
-    constexpr int D = Sizes::D, PAD = Sizes::PAD, SIZE = Sizes::SIZE;
-    constexpr int CH = 8 * MMA_CL_WARPS, RING = 16 * KS;  // channels a block; ring rows a channel
+    constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
+    constexpr int RB = KS + 1, RING = 16 * RB;  // ring blocks (one more than a window), rows a channel
     constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
@@ -71,12 +84,13 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
-    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // two buffers of 16 x 8 x 64 bytes
+    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // MMA_CL_BUFFERS buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    // This warp's 8 channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[PAD + k] =
-    // w[k] (zeros around them), then the 8 biases.
-    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (8 * SIZE + 8);
-    float* const bias_s = reinterpret_cast<float*>(tab + 8 * SIZE);
+    // This warp's CPW channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
+    // width + k] = w[k] (the last tap at D + 15, zeros around them), then the CPW biases. A lane
+    // reads words 15 + 2 tg - g + 16 s + {0, -8, 8}: 0 .. D + 29 of TAB, whatever the width.
+    unsigned* const tab = reinterpret_cast<unsigned*>(smem_raw + p.taps_at) + warp * (CPW * TAB + CPW);
+    float* const bias_s = reinterpret_cast<float*>(tab + CPW * TAB);
 
     // The 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging buffer: units
     // of odd positions swapped in pairs, pieces of a 64-byte row rotated by (u >> 1) & 3.
@@ -88,8 +102,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
     // Ring row of channel ch for ring slot s (< RING): channels RING + 1 rows apart, so that the 8
     // channels a transposing store writes at one slot lie in 8 distinct bank groups.
     auto ring_row = [&](int ch, int s) { return ring + ch * (RING + 1) + s; };
-    const int sh = D - width + 1;  // where the band starts in the window
-    const int jb = PAD - sh + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
+    const int jb = 15 + 2 * tg - g;  // this lane's A words: tab[jb + 16 s + {0, -8, 8}]
     const int n_steps = KS - 1 + (int)(span / 16);
 
     #pragma unroll 1
@@ -108,118 +121,159 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
         const T* const xs = x + b * p.x_batch_stride + cc;
         T* const os = out + b * p.out_batch_stride + cc * p.out_c_stride;
 
-        // The taps of channels c0 + 8 warp + cl: the table zeroed, then each weight (of x's
-        // dtype, its bits as they are) written into the two words that hold it, P[PAD + k] = the
-        // low half of word PAD + k and the high half of word PAD + k - 1. Lane (cl, k0) = (lane /
-        // 4, lane % 4) takes taps k0, k0 + 4, ..: all its loads in flight at once.
+        // The taps of channels c0 + CPW warp + cl: the table zeroed, then each weight (of x's
+        // dtype, its bits as they are) written into the two words that hold it, P[E + k] = the
+        // low half of word E + k and the high half of word E + k - 1 (E = D + 16 - width). Lane
+        // (cl, k0) = (lane / LPC, lane % LPC) takes taps k0, k0 + LPC, ..: all its loads in flight.
         __syncwarp();  // the previous item's readers are done
-        const int64 cw = c0 + 8 * warp;
+        const int64 cw = c0 + CPW * warp;
         #pragma unroll
-        for (int i = lane; i < 2 * SIZE; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
+        for (int i = lane; i < CPW * TAB / 4; i += 32) reinterpret_cast<uint4*>(tab)[i] = make_uint4(0, 0, 0, 0);
         {
-            constexpr int PER_LANE = (D + 1 + 3) / 4;  // (width <= D + 1)
-            const int cl = lane >> 2, k0 = lane & 3;
+            constexpr int LPC = 32 / CPW, PER_LANE = (D + 1 + LPC - 1) / LPC;  // lanes a channel (width <= D + 1)
+            const int cl = lane / LPC, k0 = lane % LPC;
             const bool live = cw + cl < dim;
             const unsigned short* const wrow =
                 static_cast<const unsigned short*>(weight) + (live ? (cw + cl) * p.weight_c_stride : 0);
             unsigned short w[PER_LANE];
             #pragma unroll
             for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
+                const int k = k0 + LPC * r;
                 w[r] = live && k < width ? wrow[k * p.weight_width_stride] : 0;
             }
             __syncwarp();  // the table is zeroed
-            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * SIZE + PAD);
+            unsigned short* const half = reinterpret_cast<unsigned short*>(tab + cl * TAB + D + 16 - width);
             #pragma unroll
             for (int r = 0; r < PER_LANE; ++r) {
-                const int k = k0 + 4 * r;
+                const int k = k0 + LPC * r;
                 if (k < width) half[2 * k] = half[2 * k - 1] = w[r];
             }
         }
-        if (lane < 8) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
+        if (lane < CPW) bias_s[lane] = bias && cw + lane < dim ? load_as<float>(bias, (int)p.bias_dtype, (cw + lane) * p.bias_stride) : 0.f;
         __syncwarp();
 
         // Step a copies positions (a - KS + 1) 16 + i of each piece (the first KS - 1 steps: the D
-        // before it); this thread copies i = warp + 4 r, pieces 128 apart. Steps whose four
+        // before it); this thread copies i = warp + W r, pieces PSTEP apart. Steps whose RP
         // positions lie inside the unit's span (or the D before it) and the row go unchecked.
+        constexpr int PSTEP = 32 * W;  // 16-byte pieces from a thread's position to its next
         const bool fast_in = whole_in && unit_ok;
         const T* xa = xs + (start - D + warp) * p.x_l_stride;  // this thread's first position of the next step
-        const int64 x_step = 4 * p.x_l_stride;
+        const int64 x_step = W * p.x_l_stride;
         // (positions relative to start in int: the piece's length, and where x begins, -D at most)
         const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
         auto copy_in = [&](int a) {
-            uint4* const dst = piece((int)(a & 1), warp, cu, cm);
+            uint4* const dst = piece(a % MMA_CL_BUFFERS, warp, cu, cm);
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
-            if (fast_in && rel >= lo && rel + 12 < len) {
+            if (fast_in && rel >= lo && rel + (16 - W) < len) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) cp_async<16, 128>(dst + 128 * r, xa + r * x_step, 16);
+                for (int r = 0; r < RP; ++r) cp_async<16, 128>(dst + PSTEP * r, xa + r * x_step, 16);
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < 4; ++r) {
-                    const int64 pos = t0 + 4 * r;
+                for (int r = 0; r < RP; ++r) {
+                    const int64 pos = t0 + W * r;
                     const bool live = pos < end || (pos < seqlen && pos < start);  // (the D before a piece)
                     if (fast_in && pos >= 0) {
-                        cp_async<16, 128>(dst + 128 * r, live ? xa + r * x_step : x, live ? 16 : 0);
+                        cp_async<16, 128>(dst + PSTEP * r, live ? xa + r * x_step : x, live ? 16 : 0);
                     } else if (!unit_ok || !live || pos < -(width - 1) || cc >= dim || (pos < 0 && !initial_states)) {
-                        cp_async<16, 128>(dst + 128 * r, x, 0);
+                        cp_async<16, 128>(dst + PSTEP * r, x, 0);
                     } else {
                         Vec<T> v;
                         #pragma unroll 1
                         for (int e = 0; e < VN; ++e) v.e[e] = window_input(x, initial_states, p, b, cc + e, pos);
-                        dst[128 * r] = v.raw;
+                        dst[PSTEP * r] = v.raw;
                     }
                 }
             }
-            xa += 4 * x_step;
+            xa += RP * x_step;
             cp_async_commit();
         };
 
         T* oa = os + (start + warp) * p.out_l_stride;  // this thread's first output of the next step
-        const int64 o_step = 4 * p.out_l_stride;
-        copy_in(0);
-        // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
-        // + 1 + s (mod KS), the oldest first.
-        int blk_in = 0;
-        #pragma unroll 1
-        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == KS ? 0 : blk_in + 1) {
-            const int buf = (int)(a & 1);
-            if (a + 1 < n_steps) {
-                copy_in(a + 1);
-                cp_async_wait<1>();
+        const int64 o_step = W * p.out_l_stride;
+        // This thread's pieces of step a's outputs out of buffer buf: positions i = warp + W r of
+        // its unit and channels (bit 1 of those positions is warp's, and where it is set the
+        // halves come swapped).
+        auto copy_out = [&](int a, int buf, bool redo) {
+            const uint4* const from = piece(buf, warp, cu, cm);
+            auto output = [&](int r) {
+                const uint4 v = from[PSTEP * r];
+                return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
+            };
+            const int rel = (a - KS + 1) * 16 + warp;
+            const int64 t0 = start + rel;
+            if (!redo && whole_out && rel + (16 - W) < len) {
+                #pragma unroll
+                for (int r = 0; r < RP; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
             } else {
-                cp_async_wait<0>();
+                #pragma unroll 1
+                for (int r = 0; r < RP; ++r) {
+                    const int64 pos = t0 + W * r;
+                    if (pos >= end || cc >= dim) continue;
+                    Vec<T> v;
+                    v.raw = output(r);
+                    if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
+                    T* const o = oa + r * o_step;
+                    if (whole_out) {
+                        *reinterpret_cast<uint4*>(o) = v.raw;
+                    } else {
+                        #pragma unroll 1
+                        for (int e = 0; e < VN && cc + e < dim; ++e) o[e * p.out_c_stride] = v.e[e];
+                    }
+                }
             }
+            oa += RP * o_step;
+        };
+
+        // One block barrier a step: step a's outputs wait in their buffer until step a + 1's
+        // barrier (all warps' outputs written, and its OR says whether one was not finite), the
+        // copy two steps ahead goes into the buffer just copied out, and the ring's block for step
+        // a + 1 is one no warp still computing step a reads (RB = KS + 1 blocks).
+        static_assert(MMA_CL_BUFFERS == 3, "a step's copy in flight, a step's window, a step's outputs");
+        copy_in(0);
+        if (1 < n_steps) copy_in(1);
+        // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
+        // + 2 + s (mod RB), the oldest first.
+        int blk_in = 0, buf = 0, out_buf = -1;  // (out_buf: the buffer of outputs to copy out)
+        float last = 0.f;  // the sum of the last computed step's pre-activations
+        #pragma unroll 1
+        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == RB ? 0 : blk_in + 1, buf = buf + 1 == 3 ? 0 : buf + 1) {
+            if (a + 1 < n_steps) cp_async_wait<1>();
+            else cp_async_wait<0>();
             __syncwarp();  // the pieces the other lanes copied have landed
-            // This warp's positions i = warp + 4 r into ring block blk_in: matrix m (lanes 8 m + j
+            // This warp's positions i = warp + W r into ring block blk_in: matrix m (lanes 8 m + j
             // address its rows) = units j, channels 8 m ..; stored transposed, row j = channel 8 m
             // + j.
             {
                 const int m = lane >> 3, j = lane & 7;
                 uint4* const to = ring_row(8 * m + j, blk_in * 16 + warp);
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
+                for (int r = 0; r < RP; ++r) {
                     unsigned w[4];
-                    ldmatrix_x4(w, piece(buf, warp + 4 * r, j, m));
-                    stmatrix_x4_trans(w, to + 4 * r);
+                    ldmatrix_x4(w, piece(buf, warp + W * r, j, m));
+                    stmatrix_x4_trans(w, to + W * r);
                 }
             }
-            __syncthreads();  // the ring holds the step's window
+            // the ring holds the step's window; the last step's outputs are in their buffer
+            const bool redo = __syncthreads_or(!isfinite(last));
+            if (out_buf >= 0) copy_out(a - 1, out_buf, redo);
+            out_buf = -1;
+            if (a + 2 < n_steps) copy_in(a + 2);  // (into the buffer just copied out)
             if (a < KS - 1) continue;
 
             // The 16 outputs of each column at positions (a - KS + 1) 16 .. of its piece. The B
             // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
-            // position 8 (mq & 1) + j of block blk_in + 1 + s + (mq >> 1), in channel 8 warp + cl at
+            // position 8 (mq & 1) + j of block blk_in + 2 + s + (mq >> 1), in channel CPW warp + cl at
             // bfrom[s / 2] + cl (RING + 1).
             unsigned bfrom[(KS + 1) / 2];
             {
                 const int mq = lane >> 3, j = lane & 7;
                 #pragma unroll
                 for (int s = 0; s < KS; s += 2) {
-                    int blk = blk_in + 1 + s + (mq >> 1);
-                    blk = blk >= KS ? blk - KS : blk;
-                    blk = blk >= KS ? blk - KS : blk;
-                    bfrom[s / 2] = smem_address(ring_row(8 * warp, blk * 16 + 8 * (mq & 1) + j));
+                    int blk = blk_in + 2 + s + (mq >> 1);
+                    blk = blk >= RB ? blk - RB : blk;
+                    blk = blk >= RB ? blk - RB : blk;
+                    bfrom[s / 2] = smem_address(ring_row(CPW * warp, blk * 16 + 8 * (mq & 1) + j));
                 }
             }
             // Returns the sum of the step's pre-activations (not finite if one of them is not).
@@ -227,7 +281,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                 constexpr bool SILU = decltype(silu_flag)::value;
                 float sums = 0.f;
                 #pragma unroll 1
-                for (int half = 0; half < 2; ++half) {  // channel pairs 2 half, 2 half + 1 (a loop: fewer registers)
+                for (int half = 0; half < CPW / 4; ++half) {  // channel pairs 2 half, 2 half + 1 (a loop: fewer registers)
                     unsigned packed[4][2];  // [place r][pair p2]: (position g + 8 (r >> 1), unit 2 tg + (r & 1))
                     #pragma unroll
                     for (int p2 = 0; p2 < 2; ++p2) {
@@ -253,7 +307,7 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                             const float bv = bias_s[cl];
                             #pragma unroll
                             for (int r = 0; r < 4; ++r) acc[h][r] = bv;
-                            const unsigned* const tw = tab + cl * SIZE + jb;
+                            const unsigned* const tw = tab + cl * TAB + jb;
                             #pragma unroll
                             for (int s = 0; s < KS; ++s) {
                                 const unsigned a0 = tw[16 * s], a1 = tw[16 * s - 8], a2 = tw[16 * s + 8];
@@ -271,47 +325,20 @@ __global__ void __launch_bounds__(32 * MMA_CL_WARPS, KS <= 2 ? 6 : 4) fwd_mma_cl
                             packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }
                     }
+                    // Channels 4 q .. 4 q + 3 of the block: 8-byte half q & 1 of 16-byte piece q / 2
                     // (halves swapped where bit 1 of the position is set: two lanes a bank, not four)
+                    const int q = CPW / 4 * warp + half;
                     #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), warp))[half ^ ((g >> 1) & 1)] =
+                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), q >> 1))[(q & 1) ^ ((g >> 1) & 1)] =
                             make_uint2(packed[r][0], packed[r][1]);
                 }
                 return sums;
             };
-            const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
-            const bool redo = __syncthreads_or(!isfinite(sums));  // the outputs are in the buffer
-
-            // This thread's pieces out: positions i = warp + 4 r of its unit and channels.
-            // (positions warp + 4 r: bit 1 is warp's, and where it is set the halves come swapped)
-            const uint4* const from = piece(buf, warp, cu, cm);
-            auto output = [&](int r) {
-                const uint4 v = from[128 * r];
-                return warp & 2 ? make_uint4(v.z, v.w, v.x, v.y) : v;
-            };
-            const int rel = (a - KS + 1) * 16 + warp;
-            const int64 t0 = start + rel;
-            if (!redo && whole_out && rel + 12 < len) {
-                #pragma unroll
-                for (int r = 0; r < 4; ++r) *reinterpret_cast<uint4*>(oa + r * o_step) = output(r);
-            } else {
-                #pragma unroll 1
-                for (int r = 0; r < 4; ++r) {
-                    const int64 pos = t0 + 4 * r;
-                    if (pos >= end || cc >= dim) continue;
-                    Vec<T> v;
-                    v.raw = output(r);
-                    if (redo) own_taps_cl(v, x, weight, bias, initial_states, p, b, cc, pos);
-                    T* const o = oa + r * o_step;
-                    if (whole_out) {
-                        *reinterpret_cast<uint4*>(o) = v.raw;
-                    } else {
-                        #pragma unroll 1
-                        for (int e = 0; e < VN && cc + e < dim; ++e) o[e * p.out_c_stride] = v.e[e];
-                    }
-                }
-            }
-            oa += 4 * o_step;
+            last = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
+            out_buf = buf;
         }
+        const bool redo = __syncthreads_or(!isfinite(last));  // the last step's outputs are in their buffer
+        if (out_buf >= 0) copy_out(n_steps - 1, out_buf, redo);
     }
 }

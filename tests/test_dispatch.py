@@ -320,10 +320,12 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         step = _forward_plan.CONSTANTS["MMA_CL_STEP"]
         assert 16 * (ks - 1) >= width - 1 and fields["span"] % step == 0
         assert fields["pieces"] == -(-300 // fields["span"])
-        assert plan.block == (32 * _forward_plan.CONSTANTS["MMA_CL_WARPS"], 1)
-        # the ring (32 channels x 16 KS + 1 rows of 16 bytes), two staging buffers, the taps
-        assert fields["taps_at"] == 32 * (16 * ks + 1) * 16 + 2 * step * 8 * 64
-        assert plan.smem == fields["taps_at"] + 4 * (8 * 32 * ks + 8) * 4
+        more = ks >= _forward_plan.CONSTANTS["MMA_CL_MORE_WARPS"]
+        assert plan.block == (32 * (8 if more else _forward_plan.CONSTANTS["MMA_CL_WARPS"]), 1)
+        # the ring (32 channels x 16 (KS + 1) + 1 rows of 16 bytes), three staging buffers, the
+        # taps and biases (32 channels x D + 32 word pairs and one)
+        assert fields["taps_at"] == 32 * (16 * (ks + 1) + 1) * 16 + 3 * step * 8 * 64
+        assert plan.smem == fields["taps_at"] + 32 * (16 * ks + 16 + 1) * 4
         assert plan.smem + 1024 <= SM90_SMEM + 1024
     elif launched.startswith("fwd_mma<"):
         fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields))

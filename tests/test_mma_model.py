@@ -6,7 +6,9 @@ against a direct causal convolution; a model of bwd_mma_time's backward (a group
 the rows of A, shifted across lanes and groups, the bands as B, dweight from register
 transposes summed along its lags) against the reference backward; and models of the
 channel-last moves of fwd_mma and bwd_mma (index math, byte permutations, shared-memory bank
-conflicts).
+conflicts); and fwd_mma_cl's bookkeeping of a block's staging buffer (who copies, moves,
+computes and writes out which pieces, for each block size) and its step of one block barrier
+(which warps touch which places of shared memory between two barriers).
 """
 
 import numpy as np
@@ -460,3 +462,139 @@ def test_float16_is_two_bfloat16_parts_exactly():
     lo = (x - hi).astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(hi + lo, x)
     assert np.count_nonzero(lo) > len(x) // 2  # the low part carries bits for most values
+
+
+# ---- fwd_mma_cl: who stages, moves, computes and writes out what ------------------------------
+
+
+def cl_piece(i, u, m):
+    """fwd_mma_cl's 16-byte piece (position i of a step, unit u, channels 8 m ..) of a staging
+    buffer: units of odd positions swapped in pairs, pieces of a 64-byte row rotated."""
+    return (i * 8 + (u ^ (i & 1))) * 4 + (m ^ ((u >> 1) & 3))
+
+
+@pytest.mark.parametrize("warps", (4, 8))
+def test_channel_last_block_bookkeeping(warps):
+    """fwd_mma_cl's blocks of 4 or 8 warps (8 or 4 of the block's 32 channels each):
+    every staged piece of a step is copied in once, a warp moves only the pieces it copied,
+    every (position, unit, channel) output is placed once and written out by the thread that
+    copies its piece, to its own position, unit and channel; the 8-byte output stores of a half
+    warp are free of bank conflicts; each warp's tap table is 16-byte aligned and each tap of
+    its channels is loaded by one lane."""
+    cpw, rp, pstep = 32 // warps, 16 // warps, 32 * warps
+    group = min(cpw, 4)
+    copied = {}
+    for warp in range(warps):
+        for lane in range(32):
+            cu, cm = lane >> 2, lane & 3
+            for r in range(rp):
+                assert cl_piece(warp, cu, cm) + pstep * r == cl_piece(warp + warps * r, cu, cm)
+                copied[cl_piece(warp + warps * r, cu, cm)] = warp
+    assert sorted(copied) == list(range(16 * 8 * 4))
+    for warp in range(warps):  # the move: lane 8 m + j reads piece (position, unit j, m)
+        for lane in range(32):
+            m, j = lane >> 3, lane & 7
+            assert all(copied[cl_piece(warp + warps * r, j, m)] == warp for r in range(rp))
+    placed = {}
+    for warp in range(warps):
+        for grp in range(cpw // group):
+            q = cpw // group * warp + grp
+            for r in range(4):
+                half_warp_addresses = ([], [])
+                for lane in range(32):
+                    g, tg = lane >> 2, lane & 3
+                    pos, unit, swap = g + 8 * (r >> 1), 2 * tg + (r & 1), (g >> 1) & 1
+                    byte = 16 * cl_piece(pos, unit, q // (8 // group))
+                    if group == 4:
+                        byte += 8 * ((q & 1) ^ swap)
+                        half_warp_addresses[lane >> 4].append(byte)
+                    else:
+                        byte += 4 * ((q & 3) ^ (2 * swap))
+                    for c in range(group):  # channel pair p2 = c // 2, element c % 2
+                        assert (byte + 2 * c) not in placed
+                        placed[byte + 2 * c] = (pos, unit, cpw * warp + group * grp + c)
+                if group == 4:
+                    assert all(conflict_free(a, 8) for a in half_warp_addresses)
+    assert len(placed) == 16 * 8 * 32
+    for warp in range(warps):  # the copy out: halves swapped back where bit 1 of warp is set
+        for lane in range(32):
+            cu, cm = lane >> 2, lane & 3
+            for r in range(rp):
+                byte = 16 * (cl_piece(warp, cu, cm) + pstep * r)
+                for e in range(8):
+                    got = placed[byte + 2 * (e ^ 4 if warp & 2 else e)]
+                    assert got == (warp + warps * r, cu, 8 * cm + e)
+    for ks in range(2, 18):
+        d = 16 * (ks - 1)
+        tab = d + 32  # words of a channel's table
+        assert all(warp * cpw * tab % 4 == 0 for warp in range(warps))
+        lanes_a_channel = 32 // cpw
+        taps = [
+            (lane // lanes_a_channel, lane % lanes_a_channel + lanes_a_channel * r)
+            for lane in range(32)
+            for r in range(-(-(d + 1) // lanes_a_channel))
+        ]
+        assert sorted(t for t in taps if t[1] <= d) == [
+            (c, k) for c in range(cpw) for k in range(d + 1)
+        ]
+
+
+def one_barrier_conflicts(ks, warps, ring_blocks, buffers, steps=12):
+    """fwd_mma_cl's step protocol with one block barrier a step, as sets of accesses: the
+    shared-memory places two warps touch between the same two barriers (an epoch) where one
+    of them writes, or where a copy in flight lands on a place another warp reads."""
+    channels, cpw = 32, 32 // warps
+    positions = [[w + warps * r for r in range(16 // warps)] for w in range(warps)]
+    buf = [a % buffers for a in range(steps + 2)]
+    blk = [a % ring_blocks for a in range(steps + 2)]
+    window = {a: {blk[a] - s for s in range(ks)} for a in range(steps)}  # (mod ring_blocks)
+    window = {a: {b % ring_blocks for b in bs} for a, bs in window.items()}
+    # accesses[epoch][warp] = [(place, writes)]; epoch a: after barrier a, up to barrier a + 1
+    accesses = [[[] for _ in range(warps)] for _ in range(steps + 2)]
+    for w in range(warps):
+        own = range(cpw * w, cpw * w + cpw)
+        for a in range(steps):
+            # before barrier a (epoch a - 1): the move of step a from its buffer into the ring
+            for i in positions[w]:
+                for c in range(channels):
+                    accesses[a - 1][w].append((("buf", buf[a], i, c), False))
+                    accesses[a - 1][w].append((("ring", blk[a], i, c), True))
+            # after barrier a (epoch a): step a - 1's outputs out, the copy of step a + 2 in
+            # (landing by barrier a + 2), step a's window read and its outputs written
+            for i in positions[w]:
+                for c in range(channels):
+                    if a >= 1 and a - 1 >= ks - 1:
+                        accesses[a][w].append((("buf", buf[a - 1], i, c), False))
+                    if a + 2 < steps:
+                        for e in (a, a + 1):
+                            accesses[e][w].append((("buf", buf[a + 2], i, c), True))
+            if a >= ks - 1:
+                for b in window[a]:
+                    for i in range(16):
+                        for c in own:
+                            accesses[a][w].append((("ring", b, i, c), False))
+                for i in range(16):
+                    for c in own:
+                        accesses[a][w].append((("buf", buf[a], i, c), True))
+    conflicts = 0
+    for epoch in accesses:
+        seen = {}
+        for w, acc in enumerate(epoch):
+            for place, writes in acc:
+                seen.setdefault(place, []).append((w, writes))
+        for users in seen.values():
+            ws = {w for w, _ in users}
+            if len(ws) > 1 and any(writes for _, writes in users):
+                conflicts += 1
+    return conflicts
+
+
+@pytest.mark.parametrize("ks", (2, 3, 5))
+@pytest.mark.parametrize("warps", (4, 8))
+def test_channel_last_one_barrier_a_step(ks, warps):
+    """With a ring of KS + 1 blocks and three staging buffers, no two warps touch one place of
+    shared memory between the same two barriers where one writes it (a copy in flight counted
+    as writing until the barrier after it lands); a ring of KS blocks, or two buffers, would."""
+    assert one_barrier_conflicts(ks, warps, ks + 1, 3) == 0
+    assert one_barrier_conflicts(ks, warps, ks, 3) > 0
+    assert one_barrier_conflicts(ks, warps, ks + 1, 2) > 0
