@@ -49,9 +49,8 @@ CONSTANTS = {
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 4,  # fwd_mma_cl: warps a block (8 channels each)
-    "MMA_CL_MORE_WARPS": 3,  # fwd_mma_cl: from this KS on, 8 warps a block (4 channels each)
+    "MMA_CL_MORE_WARPS": 5,  # fwd_mma_cl: from this KS on, 8 warps a block (4 channels each) and one barrier a step
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
-    "MMA_CL_BUFFERS": 3,  # fwd_mma_cl: staging buffers (copies 2 steps ahead, outputs a step late)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
@@ -437,18 +436,18 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 
 def mma_cl_shared_memory(ks: int) -> tuple[int, int]:
     """fwd_mma_cl at KS k-steps: (where the taps start, bytes of shared memory a block). The ring
-    (MMA_CL_GROUP channels x 16 (KS + 1) + 1 rows of 16 bytes), MMA_CL_BUFFERS staging buffers of
-    a step (16 positions x 8 units x 2 bytes a channel), then each warp's taps (its channels' D +
-    32 word pairs) and biases."""
-    group, buffers = CONSTANTS["MMA_CL_GROUP"], CONSTANTS["MMA_CL_BUFFERS"]
-    taps_at = group * (16 * (ks + 1) + 1) * 16 + buffers * CONSTANTS["MMA_CL_STEP"] * 8 * group * 2
+    (MMA_CL_GROUP channels x 16 RB + 1 rows of 16 bytes), 2 + ONE staging buffers of a step (16
+    positions x 8 units x 2 bytes a channel), then each warp's taps (its channels' D + 32 word
+    pairs) and biases; from KS MMA_CL_MORE_WARPS one barrier a step (ONE), RB = KS + ONE."""
+    group, one = CONSTANTS["MMA_CL_GROUP"], int(ks >= CONSTANTS["MMA_CL_MORE_WARPS"])
+    taps_at = group * (16 * (ks + one) + 1) * 16 + (2 + one) * CONSTANTS["MMA_CL_STEP"] * 8 * group * 2
     return taps_at, taps_at + group * (16 * ks + 16 + 1) * 4
 
 
 def _plan_mma_cl(x, out, width, name, device) -> Launch:
-    """A persistent grid of blocks of MMA_CL_WARPS warps (8 from KS MMA_CL_MORE_WARPS), each
-    taking items (MMA_CL_GROUP channels, 8 units: pieces of ``span`` steps of the batch rows) in
-    turn, with the shared memory of ``mma_cl_shared_memory``."""
+    """A persistent grid of blocks of MMA_CL_WARPS warps (8, and one barrier a step, from KS
+    MMA_CL_MORE_WARPS), each taking items (MMA_CL_GROUP channels, 8 units: pieces of ``span``
+    steps of the batch rows) in turn, with the shared memory of ``mma_cl_shared_memory``."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
     warps = 8 if ks >= CONSTANTS["MMA_CL_MORE_WARPS"] else CONSTANTS["MMA_CL_WARPS"]

@@ -13,19 +13,21 @@
 // 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
-// by cp.async into a staging buffer (one of MMA_CL_BUFFERS = 3: the copy two steps ahead is in
-// flight while this step is computed and the last step's outputs wait to go out), are moved by
-// the warp that copied them (positions w, w + W, ..) into the ring with one ldmatrix (8 units x 8
-// channels a matrix, a unit's 16 bytes a row) and one stmatrix.trans (a channel's 8 units a row),
-// and the block computes from the ring: channel c's ring holds the last KS + 1 blocks of 16
-// positions (a step's window and the block the next step fills while warps still compute this
-// one: one block barrier a step), a position's 8 units in one 16-byte row, so one
-// ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g, tg): positions
-// 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte vector of 8
-// channels for each of a lane's four (position, unit) places, go back through the staging buffer
-// just read and out, at the next step's barrier, in 64-byte runs by the threads that copied
-// them in. Channels' rings lie 16 (KS + 1) + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the
-// staging buffer's 16-byte pieces are swizzled, and the outputs' 8-byte halves are swapped at
+// by cp.async into a staging buffer, are moved by the warp that copied them (positions w, w + W,
+// ..) into the ring with one ldmatrix (8 units x 8 channels a matrix, a unit's 16 bytes a row)
+// and one stmatrix.trans (a channel's 8 units a row), and the block computes from the ring:
+// channel c's ring holds the last RB blocks of 16 positions, a position's 8 units in one 16-byte
+// row, so one ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g,
+// tg): positions 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte
+// vector of 8 channels for each of a lane's four (position, unit) places, go back through the
+// staging buffer just read and out in 64-byte runs by the threads that copied them in. Below KS
+// MMA_CL_MORE_WARPS a step has two block barriers (the ring holds the step's window; the outputs
+// are in the buffer), two staging buffers (the next step's copy in flight) and RB = KS ring
+// blocks. From it, one: the outputs wait in their buffer until the next step's barrier, the
+// copy two steps ahead is in flight (three buffers), and the ring has RB = KS + 1 blocks (the
+// next step's moves fill one no warp still computing this step reads). Channels' rings lie 16 RB
+// + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the staging
+// buffer's 16-byte pieces are swizzled, and the outputs' 8-byte halves are swapped at
 // positions with bit 1 set (a warp's 8-byte output store then takes two shared-memory
 // wavefronts, not four: benchmarks/NOTES.md, "fwd_mma_cl's shared memory under ncu").
 //
@@ -53,8 +55,9 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// Warps a block at KS k-steps.
-__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return ks >= MMA_CL_MORE_WARPS ? 8 : MMA_CL_WARPS; }
+// From KS MMA_CL_MORE_WARPS: 8 warps a block and one block barrier a step (else 4 and two).
+__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks >= MMA_CL_MORE_WARPS; }
+__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? 8 : MMA_CL_WARPS; }
 
 // Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
 // memory holds 5 blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that
@@ -74,7 +77,8 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
     static_assert(CH == 32 && (W == 4 || W == 8) && MMA_CL_STEP == 16, "4 or 8 warps of 8 or 4 channels, steps of one k-step");
     using Sizes = ToeplitzTaps<KS>;
     constexpr int D = Sizes::D, TAB = D + 32;  // (TAB: words of a channel's tap table)
-    constexpr int RB = KS + 1, RING = 16 * RB;  // ring blocks (one more than a window), rows a channel
+    constexpr bool ONE = fwd_mma_cl_one_barrier(KS);
+    constexpr int RB = KS + ONE, RING = 16 * RB, NBUF = 2 + ONE;  // ring blocks, rows a channel; staging buffers
     constexpr int BUF = MMA_CL_STEP * 8 * CH * 2;  // bytes of a staging buffer (16-bit x)
     constexpr int VN = 8;  // elements of a 16-byte piece
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span, pieces = p.pieces;
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
     const bool x_aligned = p.x_aligned != 0, out_aligned = p.out_aligned != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint4* const ring = reinterpret_cast<uint4*>(smem_raw);  // [CH][RING + 1] rows of 8 units
-    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // MMA_CL_BUFFERS buffers of 16 x 8 x 64 bytes
+    unsigned char* const staging = smem_raw + CH * (RING + 1) * 16;  // NBUF buffers of 16 x 8 x 64 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // This warp's CPW channels' taps as word pairs, tab[cl][j] = (P[j], P[j + 1]) with P[D + 16 -
     // width + k] = w[k] (the last tap at D + 15, zeros around them), then the CPW biases. A lane
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
         // (positions relative to start in int: the piece's length, and where x begins, -D at most)
         const int len = (int)(end - start), lo = start >= D ? -D : (int)-start;
         auto copy_in = [&](int a) {
-            uint4* const dst = piece(a % MMA_CL_BUFFERS, warp, cu, cm);
+            uint4* const dst = piece(a % NBUF, warp, cu, cm);
             const int rel = (a - KS + 1) * 16 + warp;
             const int64 t0 = start + rel;
             if (fast_in && rel >= lo && rel + (16 - W) < len) {
@@ -225,19 +229,19 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
             oa += RP * o_step;
         };
 
-        // One block barrier a step: step a's outputs wait in their buffer until step a + 1's
-        // barrier (all warps' outputs written, and its OR says whether one was not finite), the
-        // copy two steps ahead goes into the buffer just copied out, and the ring's block for step
-        // a + 1 is one no warp still computing step a reads (RB = KS + 1 blocks).
-        static_assert(MMA_CL_BUFFERS == 3, "a step's copy in flight, a step's window, a step's outputs");
+        // ONE: step a's outputs wait in their buffer until step a + 1's barrier (all warps' outputs
+        // written, and its OR says whether one was not finite), and the copy two steps ahead goes
+        // into the buffer just copied out. Else the next step's copy goes out at the step's start
+        // into the buffer whose outputs went out at the end of the step before.
         copy_in(0);
-        if (1 < n_steps) copy_in(1);
+        if (ONE && 1 < n_steps) copy_in(1);
         // Ring block blk_in takes the step's positions; k-step s of the outputs reads block blk_in
-        // + 2 + s (mod RB), the oldest first.
-        int blk_in = 0, buf = 0, out_buf = -1;  // (out_buf: the buffer of outputs to copy out)
-        float last = 0.f;  // the sum of the last computed step's pre-activations
+        // + 1 + ONE + s (mod RB), the oldest first.
+        int blk_in = 0, buf = 0, out_buf = -1;  // (out_buf: ONE's buffer of outputs to copy out)
+        float last = 0.f;  // (ONE) the sum of the last computed step's pre-activations
         #pragma unroll 1
-        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == RB ? 0 : blk_in + 1, buf = buf + 1 == 3 ? 0 : buf + 1) {
+        for (int a = 0; a < n_steps; ++a, blk_in = blk_in + 1 == RB ? 0 : blk_in + 1, buf = buf + 1 == NBUF ? 0 : buf + 1) {
+            if (!ONE && a + 1 < n_steps) copy_in(a + 1);
             if (a + 1 < n_steps) cp_async_wait<1>();
             else cp_async_wait<0>();
             __syncwarp();  // the pieces the other lanes copied have landed
@@ -254,23 +258,26 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                     stmatrix_x4_trans(w, to + W * r);
                 }
             }
-            // the ring holds the step's window; the last step's outputs are in their buffer
-            const bool redo = __syncthreads_or(!isfinite(last));
-            if (out_buf >= 0) copy_out(a - 1, out_buf, redo);
-            out_buf = -1;
-            if (a + 2 < n_steps) copy_in(a + 2);  // (into the buffer just copied out)
+            if constexpr (ONE) {  // the ring holds the step's window; the last step's outputs are in their buffer
+                const bool redo = __syncthreads_or(!isfinite(last));
+                if (out_buf >= 0) copy_out(a - 1, out_buf, redo);
+                out_buf = -1;
+                if (a + 2 < n_steps) copy_in(a + 2);  // (into the buffer just copied out)
+            } else {
+                __syncthreads();  // the ring holds the step's window
+            }
             if (a < KS - 1) continue;
 
             // The 16 outputs of each column at positions (a - KS + 1) 16 .. of its piece. The B
             // fragments of k-steps s, s + 1 come from one ldmatrix_x4_trans: lane 8 mq + j addresses
-            // position 8 (mq & 1) + j of block blk_in + 2 + s + (mq >> 1), in channel CPW warp + cl at
+            // position 8 (mq & 1) + j of block blk_in + 1 + ONE + s + (mq >> 1), in channel CPW warp + cl at
             // bfrom[s / 2] + cl (RING + 1).
             unsigned bfrom[(KS + 1) / 2];
             {
                 const int mq = lane >> 3, j = lane & 7;
                 #pragma unroll
                 for (int s = 0; s < KS; s += 2) {
-                    int blk = blk_in + 2 + s + (mq >> 1);
+                    int blk = blk_in + 1 + ONE + s + (mq >> 1);
                     blk = blk >= RB ? blk - RB : blk;
                     blk = blk >= RB ? blk - RB : blk;
                     bfrom[s / 2] = smem_address(ring_row(CPW * warp, blk * 16 + 8 * (mq & 1) + j));
@@ -335,10 +342,17 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                 }
                 return sums;
             };
-            last = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
-            out_buf = buf;
+            const float sums = p.silu_act ? compute(Flag<true>()) : compute(Flag<false>());
+            if constexpr (ONE) {
+                last = sums;
+                out_buf = buf;
+            } else {
+                copy_out(a, buf, __syncthreads_or(!isfinite(sums)));  // (the outputs are in the buffer)
+            }
         }
-        const bool redo = __syncthreads_or(!isfinite(last));  // the last step's outputs are in their buffer
-        if (out_buf >= 0) copy_out(n_steps - 1, out_buf, redo);
+        if constexpr (ONE) {
+            const bool redo = __syncthreads_or(!isfinite(last));  // the last step's outputs are in their buffer
+            if (out_buf >= 0) copy_out(n_steps - 1, out_buf, redo);
+        }
     }
 }

@@ -322,9 +322,9 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert fields["pieces"] == -(-300 // fields["span"])
         more = ks >= _forward_plan.CONSTANTS["MMA_CL_MORE_WARPS"]
         assert plan.block == (32 * (8 if more else _forward_plan.CONSTANTS["MMA_CL_WARPS"]), 1)
-        # the ring (32 channels x 16 (KS + 1) + 1 rows of 16 bytes), three staging buffers, the
-        # taps and biases (32 channels x D + 32 word pairs and one)
-        assert fields["taps_at"] == 32 * (16 * (ks + 1) + 1) * 16 + 3 * step * 8 * 64
+        # the ring (32 channels x 16 RB + 1 rows of 16 bytes, RB = KS + one barrier a step), 2 +
+        # one staging buffers, the taps and biases (32 channels x D + 32 word pairs and one)
+        assert fields["taps_at"] == 32 * (16 * (ks + more) + 1) * 16 + (2 + more) * step * 8 * 64
         assert plan.smem == fields["taps_at"] + 32 * (16 * ks + 16 + 1) * 4
         assert plan.smem + 1024 <= SM90_SMEM + 1024
     elif launched.startswith("fwd_mma<"):
