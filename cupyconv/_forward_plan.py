@@ -49,7 +49,7 @@ CONSTANTS = {
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 4,  # fwd_mma_cl: warps a block (8 channels each)
-    "MMA_CL_MORE_WARPS": 5,  # fwd_mma_cl: from this KS on, 8 warps a block (4 channels each) and one barrier a step
+    "MMA_CL_MORE_WARPS": 5,  # fwd_mma_cl: from this KS, 8 warps a block and one barrier a step
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
@@ -439,8 +439,9 @@ def mma_cl_shared_memory(ks: int) -> tuple[int, int]:
     (MMA_CL_GROUP channels x 16 RB + 1 rows of 16 bytes), 2 + ONE staging buffers of a step (16
     positions x 8 units x 2 bytes a channel), then each warp's taps (its channels' D + 32 word
     pairs) and biases; from KS MMA_CL_MORE_WARPS one barrier a step (ONE), RB = KS + ONE."""
-    group, one = CONSTANTS["MMA_CL_GROUP"], int(ks >= CONSTANTS["MMA_CL_MORE_WARPS"])
-    taps_at = group * (16 * (ks + one) + 1) * 16 + (2 + one) * CONSTANTS["MMA_CL_STEP"] * 8 * group * 2
+    group, step = CONSTANTS["MMA_CL_GROUP"], CONSTANTS["MMA_CL_STEP"]
+    one = int(ks >= CONSTANTS["MMA_CL_MORE_WARPS"])
+    taps_at = group * (16 * (ks + one) + 1) * 16 + (2 + one) * step * 8 * group * 2
     return taps_at, taps_at + group * (16 * ks + 16 + 1) * 4
 
 

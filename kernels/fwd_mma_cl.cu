@@ -61,12 +61,12 @@ __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_o
 
 // Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
 // memory holds 5 blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that
-// of 4 (128; at 96 KS 3 spills and runs slower), from KS 4 that of 3, the blocks the shared
-// memory holds there: benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by
-// cp.async". 8 warps a block: that of 2 blocks up to KS 9 (128 registers, no spills; 80, for
-// 3 blocks, spill in the step loop from KS 3), 1 beyond (the shared memory holds one).
+// of 4 (128; at 96 KS 3 spills and runs slower), at KS 4 that of 3, the blocks the shared memory
+// holds there: benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
+// 8 warps a block: that of the 2 blocks the shared memory holds (128 registers, no spills; 80,
+// for 3 blocks, spill in the step loop).
 __host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
-    return fwd_mma_cl_warps(ks) == 8 ? (ks <= 9 ? 2 : 1) : ks <= 2 ? 6 : ks == 3 ? 4 : 3;
+    return fwd_mma_cl_warps(ks) == 8 ? 2 : ks <= 2 ? 6 : ks == 3 ? 4 : 3;
 }
 
 template <typename T, int KS>
