@@ -83,9 +83,9 @@ MMA_TIME_MIN_CHUNKS = 4
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
-# fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 65, where its ring
-# leaves 2 blocks an SM; fwd_mma beyond, not measured against it: benchmarks/NOTES.md,
-# "fwd_mma_cl"); pieces of rows of MMA_CL_LONGEST steps or half, a quarter .. down to
+# fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 65; fwd_mma beyond,
+# where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches
+# measured, on an H100"); pieces of rows of MMA_CL_LONGEST steps or half, a quarter .. down to
 # MMA_CL_SHORTEST: the shortest whose estimated time is within MMA_CL_SLACK of the least (a wave
 # of items counted at least MMA_CL_FILL as long as a full one).
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 5, 1024, 256
