@@ -332,12 +332,14 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                             packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }
                     }
-                    // Channels 4 q .. 4 q + 3 of the block: 8-byte half q & 1 of 16-byte piece q / 2
-                    // (halves swapped where bit 1 of the position is set: two lanes a bank, not four)
-                    const int q = CPW / 4 * warp + half;
+                    // Channels 4 q .. 4 q + 3 of the block (q = CPW / 4 warp + half): 8-byte half q & 1
+                    // of 16-byte piece q / 2, spelled out for each CPW so that the piece stays out of
+                    // the loop (halves swapped where bit 1 of the position is set: two lanes a bank,
+                    // not four)
+                    const int qm = CPW == 8 ? warp : warp >> 1, qh = (CPW == 8 ? half : warp & 1) ^ ((g >> 1) & 1);
                     #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), q >> 1))[(q & 1) ^ ((g >> 1) & 1)] =
+                        reinterpret_cast<uint2*>(piece(buf, g + 8 * (r >> 1), 2 * tg + (r & 1), qm))[qh] =
                             make_uint2(packed[r][0], packed[r][1]);
                 }
                 return sums;
