@@ -402,12 +402,6 @@ def test_non_finite_values_with_seq_idx(layout, width):
     check_non_finite((2, 8, 600), "bfloat16", layout, width, True, segments=5)
 
 
-def torch_tensor(a):
-    import torch
-
-    return torch.from_numpy(a).cuda()
-
-
 def check_non_finite(shape, dtype, layout, width, silu, segments=0):
     """inf and NaN in x and dout reach exactly the dx, dweight and dbias entries the reference
     has non-finite; the others match it (dweight and dbias as run_bwd checks them). With
@@ -429,7 +423,7 @@ def check_non_finite(shape, dtype, layout, width, silu, segments=0):
     s = seq_ids(rng, shape[0], length, segments, True) if segments else None
     x, g = to_gpu(x64, dtype, layout), to_gpu(g64, dtype, layout)
     w, b = to_gpu(w64, dtype), to_gpu(b64, dtype)
-    si = None if s is None else torch_tensor(s)
+    si = None if s is None else to_gpu(s, "int32")
     got = cupyconv.causal_conv1d_bwd(x, w, b, g, si, activation=act)[:3]
     want = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, activation=act)[:3]
     terms = shape[0] * length

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from emulation import check_guards, compiler_available, emulated_gpu, host
+from test_forward_gpu import seq_ids
 
 import cupyconv
 from cupyconv import _backward_plan, _forward_plan, _update_plan, reference
@@ -54,17 +55,6 @@ def placed(a64, dtype, layout):
     wide = c if layout == "cl" else 2 * c + 8
     offset = {"cl": 0, "cl_slice": 8, "cl_odd": 5}[layout]
     return host(a64, NP_DTYPES[dtype], (length * wide, 1, wide), offset)
-
-
-def seq_ids(rng, batch, seqlen):
-    """Three segments a row, the last padded (-1) where the row is long enough."""
-    ids = np.zeros((batch, seqlen), np.int32)
-    for b in range(batch):
-        cuts = np.sort(rng.choice(np.arange(1, seqlen), size=min(2, seqlen - 1), replace=False))
-        ids[b] = np.searchsorted(cuts, np.arange(seqlen), side="right")
-        if seqlen > 8:
-            ids[b, -3:] = -1
-    return ids
 
 
 def states(rng, batch, dim, width, dtype, layout):
@@ -110,7 +100,7 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
         poison(x64, width=width)
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
-    s = seq_ids(rng, b, length) if "seq_idx" in features else None
+    s = seq_ids(rng, b, length, 3, True) if "seq_idx" in features else None
     init = "states" in features
     with emulated_gpu(arch) as run:
         x = placed(x64, dtype, layout)
@@ -142,7 +132,7 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
         poison(x64, g64, width)
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
-    s = seq_ids(rng, b, length) if "seq_idx" in features else None
+    s = seq_ids(rng, b, length, 3, True) if "seq_idx" in features else None
     init = "states" in features
     with emulated_gpu(arch) as run:
         x, dout = placed(x64, dtype, layout), placed(g64, dtype, layout)
@@ -424,7 +414,7 @@ def random_case(seed):
         poison(x64, g64, width)
     w64 = rounded(rng, (dim, width), wdtype, width**-0.5)
     b64 = rounded(rng, (dim,), wdtype) if has_bias else None
-    s = seq_ids(rng, batch, length) if has_seq else None
+    s = seq_ids(rng, batch, length, 3, True) if has_seq else None
     state_layout = "cl" if layout.startswith("cl") else "cf"
     i64, i = states(rng, batch, dim, width, dtype, state_layout) if init else (None, None)
     f64, f = states(rng, batch, dim, width, dtype, state_layout) if dfinal else (None, None)
