@@ -19,6 +19,7 @@ import dataclasses
 from ._arrays import Array, remember, rows_aligned
 from ._compile import C_TYPES, Source
 from ._launch import (
+    LEAST_SMEM_LIMIT,
     MAX_GRID,
     Kernel,
     Launch,
@@ -83,12 +84,15 @@ MMA_TIME_MIN_CHUNKS = 4
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
-# fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 65; fwd_mma beyond,
+# fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches
-# measured, on an H100"); pieces of rows of MMA_CL_LONGEST steps or half, a quarter .. down to
-# MMA_CL_SHORTEST: the shortest whose estimated time is within MMA_CL_SLACK of the least (a wave
-# of items counted at least MMA_CL_FILL as long as a full one).
-MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 5, 1024, 256
+# measured, on an H100"; KS 6 / 7 11-22 % faster than fwd_mma: "fwd_mma_cl at KS 6 and 7"), and
+# fwd_mma's channel-contiguous form where its block does not fit the device (KS 7 on sm_86 /
+# sm_89, whose blocks take at most LEAST_SMEM_LIMIT bytes); pieces of rows of MMA_CL_LONGEST
+# steps or half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose estimated time is
+# within MMA_CL_SLACK of the least (a wave of items counted at least MMA_CL_FILL as long as a
+# full one).
+MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
 MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
@@ -187,7 +191,9 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     replaces the time-contiguous kernels from MMA_MIN_WIDTH on and "mma_cl" "channel" from
     MMA_CL_MIN_WIDTH on ("mma_split", "mma_cl_split": weights of another dtype than x, float16
     x with them time-contiguous only, from MMA_XSPLIT_MIN_WIDTH on; "mma_cl_split" from
-    MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up to MMA_CL_MAX_STEPS k-steps;
+    MMA_CL_SPLIT_MIN_WIDTH on); "mma_cl" is fwd_mma_cl up to MMA_CL_MAX_STEPS k-steps, with
+    fwd_mma's channel-contiguous form as "mma_cl_fallback" where its block needs more shared
+    memory than LEAST_SMEM_LIMIT;
     "mma_time_<groups>" fwd_mma_time up to MMA_TIME_MAX_STEPS for each chunk shape;
     time-contiguous float32 x takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16
     parts."""
@@ -219,6 +225,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
                 name = f"fwd_mma<{t}, {ks}, {str(split).lower()}, {warps}>"
                 kernel = MMA
                 if cl and ks <= MMA_CL_MAX_STEPS and not split:
+                    if mma_cl_shared_memory(ks)[1] > LEAST_SMEM_LIMIT:
+                        table["mma_cl_fallback"] = (kernel, name)  # where its block won't fit
                     kernel, name = MMA_CL, f"fwd_mma_cl<{t}, {ks}>"
                 table["mma" + cl_kind + ("_split" if split else "")] = (kernel, name)
         if width >= MMA_MIN_WIDTH and ks <= MMA_TIME_MAX_STEPS:
@@ -297,7 +305,9 @@ def _plan_forward(
     if kind in table and (time_major or x_c == 1):
         source, name = table[kind]
         if source is MMA_CL.source:
-            return _plan_mma_cl(x, out, width, name, device)
+            if mma_cl_shared_memory(mma_steps(width))[1] <= shared_memory_limit(device):
+                return _plan_mma_cl(x, out, width, name, device)
+            source, name = table["mma_cl_fallback"]
         chunk = _mma_time_chunk(seqlen, itemsize) if kind == "mma" else None
         if chunk and f"mma_time_{chunk[0]}" in table and rows_aligned(x, 2, 8):
             return _plan_mma_time(x, out, chunk, table[f"mma_time_{chunk[0]}"][1])

@@ -16,6 +16,9 @@ from ._arrays import remember
 from ._compile import DTYPE_CODES, Source, get_kernel, get_raw_kernel, is_loaded, prelude
 
 MAX_GRID = 2**31 - 1  # most blocks along x
+# The least opt-in dynamic shared memory a block of the supported devices may have (sm_86,
+# sm_89: 99 KiB; sm_80 163 KiB, sm_90 227 KiB): instances that need more have a fallback.
+LEAST_SMEM_LIMIT = 101376
 
 
 @dataclass(frozen=True)

@@ -211,12 +211,13 @@ def test_instance_table_covers_every_width():
         assert {f"fwd_mma<{t}, 2, {split}, 0>", f"fwd_mma<{t}, 17, {split}, 0>"} <= names
         assert f"fwd_mma<{t}, 17, {split}, 16>" in names
         assert not {n for n in names if n.startswith((f"fwd_mma<{t}, 1,", f"fwd_mma<{t}, 18,"))}
-    # channel-last: fwd_mma_cl with weights of x's dtype up to KS 5, fwd_mma with split weights
-    # and beyond
-    assert {f"fwd_mma_cl<{t}, {ks}>" for ks in (2, 3, 4, 5)} <= names
-    assert f"fwd_mma<{t}, 2, true, 8>" in names and f"fwd_mma<{t}, 6, false, 16>" in names
+    # channel-last: fwd_mma_cl with weights of x's dtype up to KS 7 (fwd_mma's form at KS 7 too,
+    # where its block does not fit), fwd_mma with split weights and beyond
+    assert {f"fwd_mma_cl<{t}, {ks}>" for ks in range(2, 8)} <= names
+    assert f"fwd_mma<{t}, 2, true, 8>" in names and f"fwd_mma<{t}, 8, false, 16>" in names
+    assert f"fwd_mma<{t}, 7, false, 16>" in names and f"fwd_mma<{t}, 6, false, 16>" not in names
     assert f"fwd_mma<{t}, 5, false, 8>" not in names
-    assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 6")}
+    assert not {n for n in names if n.startswith(f"fwd_mma_cl<{t}, 8")}
     # time-contiguous rows on 8-byte boundaries: fwd_mma_time up to MMA_TIME_MAX_STEPS, a chunk
     # shape each
     steps = range(2, _forward_plan.MMA_TIME_MAX_STEPS + 1)

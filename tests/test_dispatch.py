@@ -285,7 +285,9 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         # (time-contiguous rows of 300 end inside fwd_mma_time's only chunk: fwd_mma)
         (F16, F16, None, 33, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         (F16, F16, None, 65, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
-        (F16, F16, None, 66, f"fwd_mma<{H}, 6, false, 0>", f"fwd_mma<{H}, 6, false, 16>"),
+        (F16, F16, None, 66, f"fwd_mma<{H}, 6, false, 0>", f"fwd_mma_cl<{H}, 6>"),
+        (F16, F16, None, 97, f"fwd_mma<{H}, 7, false, 0>", f"fwd_mma_cl<{H}, 7>"),
+        (F16, F16, None, 98, f"fwd_mma<{H}, 8, false, 0>", f"fwd_mma<{H}, 8, false, 16>"),
         (F16, F16, None, 15, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
         (F16, F16, None, 14, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
         (F16, F16, None, 13, f"fwd_time<{H}, 13, false, 2, 4>", f"fwd_mma_cl<{H}, 2>"),
@@ -358,14 +360,15 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
             assert per_sm * (plan.smem + 1024) <= SM90_SMEM + 1024
 
 
-def mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, resident):
+def mma_plan(monkeypatch, shape, layout, xdtype, wdtype, width, resident, limit=SM90_SMEM):
     """The forward plan for dense x of ``shape`` ("cf" or "cl") and dtype names ``xdtype`` /
     ``wdtype`` (bfloat16 included, which no array interface carries) on a device of
-    ``resident`` blocks, and its fwd_mma plan fields by name."""
+    ``resident`` blocks and ``limit`` bytes of shared memory a block, and its fwd_mma plan
+    fields by name."""
     import ml_dtypes
 
     monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: resident)
-    fake_device(monkeypatch, SM90_SMEM)
+    fake_device(monkeypatch, limit)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     xd, wd = (np.dtype(ml_dtypes.bfloat16 if d == "bfloat16" else d) for d in (xdtype, wdtype))
     b, c, length = shape
@@ -391,6 +394,25 @@ def test_channel_last_tensor_core_widths(monkeypatch, wdtype, width, kernel):
     its dtype, fwd_mma (the taps split) from MMA_CL_SPLIT_MIN_WIDTH on with others."""
     plan, _ = mma_plan(monkeypatch, (8, 5120, 2048), "cl", "bfloat16", wdtype, width, 132 * 6)
     assert plan.name.startswith(kernel), plan.name
+
+
+@pytest.mark.parametrize(
+    "limit,width,kernel",
+    [
+        (SM90_SMEM, 97, "fwd_mma_cl<__nv_bfloat16, 7>"),
+        (SM80_SMEM, 97, "fwd_mma_cl<__nv_bfloat16, 7>"),
+        (SM86_SMEM, 81, "fwd_mma_cl<__nv_bfloat16, 6>"),
+        (SM86_SMEM, 82, "fwd_mma<__nv_bfloat16, 7, false, 16>"),  # KS 7's block: 107 KB
+        (SM86_SMEM, 97, "fwd_mma<__nv_bfloat16, 7, false, 16>"),
+    ],
+)
+def test_channel_last_tensor_cores_where_their_block_fits(monkeypatch, limit, width, kernel):
+    """fwd_mma_cl takes channel-contiguous x up to MMA_CL_MAX_STEPS k-steps where its block's
+    shared memory fits the device; fwd_mma's channel-contiguous form where it does not."""
+    shape = (8, 5120, 2048)
+    plan, _ = mma_plan(monkeypatch, shape, "cl", "bfloat16", "bfloat16", width, 132, limit)
+    assert plan.name == kernel
+    assert plan.smem <= limit
 
 
 @pytest.mark.parametrize(

@@ -460,6 +460,7 @@ def test_split_window_on_tensor_cores(dtype, wdtype, layout):
         ("cl", "bfloat16", "bfloat16", 17, 0, "fwd_mma_cl"),  # many items a block
         ("cl", "float16", "float16", 33, 0, "fwd_mma_cl"),
         ("cl", "bfloat16", "bfloat16", 64, 0, "fwd_mma_cl"),  # KS 5
+        ("cl", "bfloat16", "bfloat16", 97, 0, "fwd_mma_cl"),  # KS 7
     ],
 )  # fmt: skip
 def test_wide_kernels_in_a_grid_of_one_block(
