@@ -49,8 +49,9 @@ CONSTANTS = {
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
-    "MMA_CL_WARPS": 4,  # fwd_mma_cl: warps a block (8 channels each)
-    "MMA_CL_MORE_WARPS": 5,  # fwd_mma_cl: from this KS, 8 warps a block and one barrier a step
+    "MMA_CL_WARPS": 4,  # fwd_mma_cl at KS MMA_CL_FOUR_FIRST .. _LAST: warps a block (8 channels)
+    "MMA_CL_FOUR_FIRST": 3,  # fwd_mma_cl: the KS of blocks of MMA_CL_WARPS warps, two barriers a
+    "MMA_CL_FOUR_LAST": 4,  # step; at other KS 8 warps (4 channels each), one barrier a step
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
@@ -444,24 +445,32 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     )  # fmt: skip
 
 
+def mma_cl_one_barrier(ks: int) -> bool:
+    """Whether fwd_mma_cl at KS k-steps runs blocks of 8 warps with one barrier a step (else
+    MMA_CL_WARPS warps with two): outside KS MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST. On the H100,
+    KS 2 8 % faster that way, KS 3 level, KS 4 6 % slower; KS 5 12 % faster on the H200
+    (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and 6-7")."""
+    return not CONSTANTS["MMA_CL_FOUR_FIRST"] <= ks <= CONSTANTS["MMA_CL_FOUR_LAST"]
+
+
 def mma_cl_shared_memory(ks: int) -> tuple[int, int]:
     """fwd_mma_cl at KS k-steps: (where the taps start, bytes of shared memory a block). The ring
     (MMA_CL_GROUP channels x 16 RB + 1 rows of 16 bytes), 2 + ONE staging buffers of a step (16
     positions x 8 units x 2 bytes a channel), then each warp's taps (its channels' D + 32 word
-    pairs) and biases; from KS MMA_CL_MORE_WARPS one barrier a step (ONE), RB = KS + ONE."""
+    pairs) and biases; with one barrier a step (ONE: ``mma_cl_one_barrier``), RB = KS + ONE."""
     group, step = CONSTANTS["MMA_CL_GROUP"], CONSTANTS["MMA_CL_STEP"]
-    one = int(ks >= CONSTANTS["MMA_CL_MORE_WARPS"])
+    one = int(mma_cl_one_barrier(ks))
     taps_at = group * (16 * (ks + one) + 1) * 16 + (2 + one) * step * 8 * group * 2
     return taps_at, taps_at + group * (16 * ks + 16 + 1) * 4
 
 
 def _plan_mma_cl(x, out, width, name, device) -> Launch:
-    """A persistent grid of blocks of MMA_CL_WARPS warps (8, and one barrier a step, from KS
-    MMA_CL_MORE_WARPS), each taking items (MMA_CL_GROUP channels, 8 units: pieces of ``span``
+    """A persistent grid of blocks of 8 warps with one barrier a step (``mma_cl_one_barrier``;
+    else MMA_CL_WARPS warps), each taking items (MMA_CL_GROUP channels, 8 units: pieces of ``span``
     steps of the batch rows) in turn, with the shared memory of ``mma_cl_shared_memory``."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
-    warps = 8 if ks >= CONSTANTS["MMA_CL_MORE_WARPS"] else CONSTANTS["MMA_CL_WARPS"]
+    warps = 8 if mma_cl_one_barrier(ks) else CONSTANTS["MMA_CL_WARPS"]
     step = CONSTANTS["MMA_CL_STEP"]
     taps_at, smem = mma_cl_shared_memory(ks)
     groups = -(-dim // CONSTANTS["MMA_CL_GROUP"])

@@ -6,7 +6,7 @@
 //
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
-// m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 4, from KS MMA_CL_MORE_WARPS 8) takes items
+// m16n8k16 MMA. A block of W warps (8; MMA_CL_WARPS = 4 at KS MMA_CL_FOUR_FIRST .. _LAST) takes items
 // (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks its units' pieces
 // together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
 // the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
@@ -20,10 +20,10 @@
 // row, so one ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g,
 // tg): positions 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte
 // vector of 8 channels for each of a lane's four (position, unit) places, go back through the
-// staging buffer just read and out in 64-byte runs by the threads that copied them in. Below KS
-// MMA_CL_MORE_WARPS a step has two block barriers (the ring holds the step's window; the outputs
-// are in the buffer), two staging buffers (the next step's copy in flight) and RB = KS ring
-// blocks. From it, one: the outputs wait in their buffer until the next step's barrier, the
+// staging buffer just read and out in 64-byte runs by the threads that copied them in. In blocks
+// of 4 warps a step has two block barriers (the ring holds the step's window; the outputs are in
+// the buffer), two staging buffers (the next step's copy in flight) and RB = KS ring blocks. In
+// blocks of 8, one (ONE): the outputs wait in their buffer until the next step's barrier, the
 // copy two steps ahead is in flight (three buffers), and the ring has RB = KS + 1 blocks (the
 // next step's moves fill one no warp still computing this step reads). Channels' rings lie 16 RB
 // + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the staging
@@ -55,18 +55,18 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// From KS MMA_CL_MORE_WARPS: 8 warps a block and one block barrier a step (else 4 and two).
-__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks >= MMA_CL_MORE_WARPS; }
+// 8 warps a block and one block barrier a step, but at KS MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST 4 and
+// two (the plan's mma_cl_one_barrier).
+__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks < MMA_CL_FOUR_FIRST || ks > MMA_CL_FOUR_LAST; }
 __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? 8 : MMA_CL_WARPS; }
 
-// Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
-// memory holds 5 blocks, and the budget of 5, 96 registers, spilled: 1-2 % slower), at KS 3 that
-// of 4 (128; at 96 KS 3 spills and runs slower), at KS 4 that of 3, the blocks the shared memory
-// holds there: benchmarks/NOTES.md, "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async".
-// 8 warps a block: that of the 2 blocks the shared memory holds (128 registers, no spills; 80,
-// for 3 blocks, spill in the step loop).
+// Register budgets, 4 warps a block: at KS 3 that of 4 blocks an SM (128; at 96 KS 3 spills and
+// runs slower), at KS 4 that of 3, the blocks the shared memory holds there: benchmarks/NOTES.md,
+// "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async". 8 warps a block: that of 2 blocks
+// (128 registers, no spills; 80, for 3 blocks, spill: 20 / 48 bytes at KS 2, in the step loop
+// at KS 5), the blocks the shared memory holds from KS 5.
 __host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
-    return fwd_mma_cl_warps(ks) == 8 ? 2 : ks <= 2 ? 6 : ks == 3 ? 4 : 3;
+    return fwd_mma_cl_warps(ks) == 8 ? 2 : ks == 3 ? 4 : 3;
 }
 
 template <typename T, int KS>

@@ -322,7 +322,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         step = _forward_plan.CONSTANTS["MMA_CL_STEP"]
         assert 16 * (ks - 1) >= width - 1 and fields["span"] % step == 0
         assert fields["pieces"] == -(-300 // fields["span"])
-        more = ks >= _forward_plan.CONSTANTS["MMA_CL_MORE_WARPS"]
+        more = _forward_plan.mma_cl_one_barrier(ks)
         assert plan.block == (32 * (8 if more else _forward_plan.CONSTANTS["MMA_CL_WARPS"]), 1)
         # the ring (32 channels x 16 RB + 1 rows of 16 bytes, RB = KS + one barrier a step), 2 +
         # one staging buffers, the taps and biases (32 channels x D + 32 word pairs and one)
