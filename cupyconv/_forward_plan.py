@@ -87,12 +87,12 @@ MMA_TIME_MIN_CHUNKS = 4
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches
-# measured, on an H100"; KS 6 / 7 11-22 % faster than fwd_mma: "fwd_mma_cl at KS 6 and 7"), and
-# fwd_mma's channel-contiguous form where its block does not fit the device (KS 7 on sm_86 /
-# sm_89, whose blocks take at most LEAST_SMEM_LIMIT bytes); pieces of rows of MMA_CL_LONGEST
-# steps or half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose estimated time is
-# within MMA_CL_SLACK of the least (a wave of items counted at least MMA_CL_FILL as long as a
-# full one).
+# measured, on an H100"; KS 6 / 7 10-22 % faster than fwd_mma: "fwd_mma_cl in 8-warp blocks at
+# KS 2 and 6-7"), and fwd_mma's channel-contiguous form where its block does not fit the device
+# (KS 7 on sm_86 / sm_89, whose blocks take at most LEAST_SMEM_LIMIT bytes); pieces of rows of
+# MMA_CL_LONGEST steps or half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose
+# estimated time is within MMA_CL_SLACK of the least (a wave of items counted at least
+# MMA_CL_FILL as long as a full one).
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
 MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
