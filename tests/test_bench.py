@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import bench  # noqa: E402 (after the path set-up above)
+import ab  # noqa: E402 (after the path set-up above)
+import bench  # noqa: E402
 import bench_bwd  # noqa: E402
 from bench import Case  # noqa: E402
 
@@ -389,3 +390,58 @@ def test_forward_providers_and_header_name_cudnn(capsys):
     meta = {"device": "H200", "torch": "2.11", "cupyconv": "0.1.0", "causal_conv1d": None}
     bench.print_table([], meta | {"cudnn": None})
     assert "causal_conv1d not installed  cudnn frontend not installed" in capsys.readouterr().out
+
+
+# ---- ab.py: trees against each other ------------------------------------------------------------
+
+
+def test_ab_reads_every_bench_case_name():
+    cases = [*bench.default_cases(), bench.Case(2, 64, 300, "cl", "float16", 31, None, False)]
+    for case in cases:
+        assert ab.parse_case(case.name) == case
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--cases", "cl-bf16-8x5120x2048"], "case must read like cl-bf16-8x5120x2048-w16"),
+        (["--cases", "cl-bf16-8x5120x2048-w4-gelu"], "got 'cl-bf16-8x5120x2048-w4-gelu'"),
+        (["--cases", "tc-bf16-8x5120x2048-w4"], "got 'tc-bf16-8x5120x2048-w4'"),
+    ],
+)
+def test_ab_refuses_bad_case_names(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main([str(Path(__file__).resolve().parent.parent), *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ab_refuses_a_directory_without_the_sources(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main([str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"TREE must hold cupyconv/ and kernels/; got {str(tmp_path)!r}" in err
+
+
+def test_ab_digest_is_of_the_bits():
+    torch = pytest.importorskip("torch")
+    a = torch.tensor([[1.0, 0.0], [2.0, 3.0]], dtype=torch.bfloat16)
+    assert ab.digest([a, None]) == ab.digest([a.t().contiguous().t().clone()])
+    assert ab.digest([a]) != ab.digest([torch.where(a == 0, -a, a)])  # -0.0 differs from 0.0
+    assert ab.digest([a]) == ab.digest([a.t().contiguous().t()])  # strides do not matter
+
+
+def test_ab_table():
+    rows = [
+        {"tree": t, "case": "cl-bf16-8x5120x2048-w16", "round": r, "value": v, "digest": d}
+        for t, r, v, d in (("a", 1, 0.8123, "x"), ("b", 1, 0.75, "x"), ("a", 2, 0.81, "x"))
+    ]
+    rows.append({**rows[0], "case": "cl-bf16-8x5120x2048-w31", "digest": "y"})
+    rows.append({**rows[1], "case": "cl-bf16-8x5120x2048-w31", "digest": "z"})
+    names = ["cl-bf16-8x5120x2048-w16", "cl-bf16-8x5120x2048-w31"]
+    assert ab.table(rows, ["a", "b"], names, "fwd").splitlines() == [
+        "fwd: copy/time; a | b | outputs",
+        "cl-bf16-8x5120x2048-w16: 0.812 / 0.810 | 0.750 | bitwise the same",
+        "cl-bf16-8x5120x2048-w31: 0.812 | 0.750 | DIFFER",
+    ]
