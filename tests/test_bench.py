@@ -445,3 +445,28 @@ def test_ab_table():
         "cl-bf16-8x5120x2048-w16: 0.812 / 0.810 | 0.750 | bitwise the same",
         "cl-bf16-8x5120x2048-w31: 0.812 | 0.750 | DIFFER",
     ]
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_ab_worker_on_the_cpu(op, monkeypatch, capsys):
+    """A tree's process end to end on CPU tensors (the float64 reference path), with a stand-in
+    timer: a JSON line a case, with the copy's and the call's times and the outputs' digest."""
+    pytest.importorskip("torch")
+    make = bench.make_inputs
+    monkeypatch.setattr(bench, "make_inputs", lambda case: make(case, device="cpu"))
+    times = {"copy": 2.0, "call": 4.0}
+    calls = []
+
+    def fake_loop(fn, *, target_ms):
+        which = "copy" if not calls else "call"
+        calls.append(which)
+        return 1, lambda: (fn(), times[which])[1]
+
+    monkeypatch.setattr(bench, "event_loop", fake_loop)
+    root = str(Path(__file__).resolve().parent.parent)
+    ab.worker(root, ["cl-fp32-2x8x40-w4"], op, repeats=3, target_ms=1.0)
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["case"], row["op"], row["us"], row["copy_us"]) == ("cl-fp32-2x8x40-w4", op, 4, 2)
+    case = ab.parse_case("cl-fp32-2x8x40-w4")
+    assert row["value"] == (0.5 if op == "fwd" else 3 * case.x_bytes / 4.0 / 1e6)
+    assert len(row["digest"]) == 12
