@@ -49,9 +49,10 @@ CONSTANTS = {
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
-    "MMA_CL_WARPS": 4,  # fwd_mma_cl at KS MMA_CL_FOUR_FIRST .. _LAST: warps a block (8 channels)
-    "MMA_CL_FOUR_FIRST": 3,  # fwd_mma_cl: the KS of blocks of MMA_CL_WARPS warps, two barriers a
-    "MMA_CL_FOUR_LAST": 4,  # step; at other KS 8 warps (4 channels each), one barrier a step
+    "MMA_CL_WARPS": 8,  # fwd_mma_cl: warps a block (4 channels each), one barrier a step
+    "MMA_CL_FEW_WARPS": 4,  # fwd_mma_cl at KS MMA_CL_FOUR_FIRST .. _LAST: warps a block (8
+    "MMA_CL_FOUR_FIRST": 3,  # channels each), two barriers a step
+    "MMA_CL_FOUR_LAST": 4,
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
@@ -446,11 +447,17 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 
 
 def mma_cl_one_barrier(ks: int) -> bool:
-    """Whether fwd_mma_cl at KS k-steps runs blocks of 8 warps with one barrier a step (else
-    MMA_CL_WARPS warps with two): outside KS MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST. On the H100,
-    KS 2 8 % faster that way, KS 3 level, KS 4 6 % slower; KS 5 12 % faster on the H200
-    (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and 6-7")."""
+    """Whether fwd_mma_cl at KS k-steps runs blocks of MMA_CL_WARPS warps with one barrier a
+    step (else MMA_CL_FEW_WARPS warps with two): outside KS MMA_CL_FOUR_FIRST ..
+    MMA_CL_FOUR_LAST. On the H100, KS 2 8 % faster that way, KS 3 level, KS 4 6 % slower; KS 5
+    12 % faster on the H200 (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and
+    6-7"). The kernel's ``fwd_mma_cl_one_barrier`` is the same rule."""
     return not CONSTANTS["MMA_CL_FOUR_FIRST"] <= ks <= CONSTANTS["MMA_CL_FOUR_LAST"]
+
+
+def mma_cl_block_warps(ks: int) -> int:
+    """fwd_mma_cl's warps a block at KS k-steps (the kernel's ``fwd_mma_cl_warps``)."""
+    return CONSTANTS["MMA_CL_WARPS" if mma_cl_one_barrier(ks) else "MMA_CL_FEW_WARPS"]
 
 
 def mma_cl_shared_memory(ks: int) -> tuple[int, int]:
@@ -465,12 +472,12 @@ def mma_cl_shared_memory(ks: int) -> tuple[int, int]:
 
 
 def _plan_mma_cl(x, out, width, name, device) -> Launch:
-    """A persistent grid of blocks of 8 warps with one barrier a step (``mma_cl_one_barrier``;
-    else MMA_CL_WARPS warps), each taking items (MMA_CL_GROUP channels, 8 units: pieces of ``span``
-    steps of the batch rows) in turn, with the shared memory of ``mma_cl_shared_memory``."""
+    """A persistent grid of blocks of ``mma_cl_block_warps`` warps, each taking items
+    (MMA_CL_GROUP channels, 8 units: pieces of ``span`` steps of the batch rows) in turn, with
+    the shared memory of ``mma_cl_shared_memory``."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
-    warps = 8 if mma_cl_one_barrier(ks) else CONSTANTS["MMA_CL_WARPS"]
+    warps = mma_cl_block_warps(ks)
     step = CONSTANTS["MMA_CL_STEP"]
     taps_at, smem = mma_cl_shared_memory(ks)
     groups = -(-dim // CONSTANTS["MMA_CL_GROUP"])

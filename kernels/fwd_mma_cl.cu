@@ -6,9 +6,9 @@
 //
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
-// m16n8k16 MMA. A block of W warps (8; MMA_CL_WARPS = 4 at KS MMA_CL_FOUR_FIRST .. _LAST) takes items
-// (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks its units' pieces
-// together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
+// m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 8; MMA_CL_FEW_WARPS = 4 at KS MMA_CL_FOUR_FIRST
+// .. _LAST) takes items (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks
+// its units' pieces together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
 // the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
 // 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
@@ -55,10 +55,10 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// 8 warps a block and one block barrier a step, but at KS MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST 4 and
-// two (the plan's mma_cl_one_barrier).
+// MMA_CL_WARPS warps a block and one block barrier a step, but at KS MMA_CL_FOUR_FIRST ..
+// MMA_CL_FOUR_LAST MMA_CL_FEW_WARPS and two (the plan's mma_cl_one_barrier, mma_cl_block_warps).
 __host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks < MMA_CL_FOUR_FIRST || ks > MMA_CL_FOUR_LAST; }
-__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? 8 : MMA_CL_WARPS; }
+__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? MMA_CL_WARPS : MMA_CL_FEW_WARPS; }
 
 // Register budgets, 4 warps a block: at KS 3 that of 4 blocks an SM (128; at 96 KS 3 spills and
 // runs slower), at KS 4 that of 3, the blocks the shared memory holds there: benchmarks/NOTES.md,
@@ -66,7 +66,7 @@ __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_o
 // (128 registers, no spills; 80, for 3 blocks, spill: 20 / 48 bytes at KS 2, in the step loop
 // at KS 5), the blocks the shared memory holds from KS 5.
 __host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
-    return fwd_mma_cl_warps(ks) == 8 ? 2 : ks == 3 ? 4 : 3;
+    return fwd_mma_cl_one_barrier(ks) ? 2 : ks == 3 ? 4 : 3;
 }
 
 template <typename T, int KS>

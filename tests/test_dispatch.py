@@ -323,7 +323,8 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert 16 * (ks - 1) >= width - 1 and fields["span"] % step == 0
         assert fields["pieces"] == -(-300 // fields["span"])
         more = _forward_plan.mma_cl_one_barrier(ks)
-        assert plan.block == (32 * (8 if more else _forward_plan.CONSTANTS["MMA_CL_WARPS"]), 1)
+        warps = _forward_plan.CONSTANTS["MMA_CL_WARPS" if more else "MMA_CL_FEW_WARPS"]
+        assert plan.block == (32 * warps, 1)
         # the ring (32 channels x 16 RB + 1 rows of 16 bytes, RB = KS + one barrier a step), 2 +
         # one staging buffers, the taps and biases (32 channels x D + 32 word pairs and one)
         assert fields["taps_at"] == 32 * (16 * (ks + more) + 1) * 16 + (2 + more) * step * 8 * 64

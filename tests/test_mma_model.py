@@ -482,7 +482,6 @@ def test_channel_last_block_bookkeeping(warps):
     warp are free of bank conflicts; each warp's tap table is 16-byte aligned and each tap of
     its channels is loaded by one lane."""
     cpw, rp, pstep = 32 // warps, 16 // warps, 32 * warps
-    group = min(cpw, 4)
     copied = {}
     for warp in range(warps):
         for lane in range(32):
@@ -497,24 +496,19 @@ def test_channel_last_block_bookkeeping(warps):
             assert all(copied[cl_piece(warp + warps * r, j, m)] == warp for r in range(rp))
     placed = {}
     for warp in range(warps):
-        for grp in range(cpw // group):
-            q = cpw // group * warp + grp
+        for half in range(cpw // 4):  # channels 4 q .. 4 q + 3 of the block
+            q = cpw // 4 * warp + half
             for r in range(4):
                 half_warp_addresses = ([], [])
                 for lane in range(32):
                     g, tg = lane >> 2, lane & 3
                     pos, unit, swap = g + 8 * (r >> 1), 2 * tg + (r & 1), (g >> 1) & 1
-                    byte = 16 * cl_piece(pos, unit, q // (8 // group))
-                    if group == 4:
-                        byte += 8 * ((q & 1) ^ swap)
-                        half_warp_addresses[lane >> 4].append(byte)
-                    else:
-                        byte += 4 * ((q & 3) ^ (2 * swap))
-                    for c in range(group):  # channel pair p2 = c // 2, element c % 2
+                    byte = 16 * cl_piece(pos, unit, q // 2) + 8 * ((q & 1) ^ swap)
+                    half_warp_addresses[lane >> 4].append(byte)
+                    for c in range(4):  # channel pair p2 = c // 2, element c % 2
                         assert (byte + 2 * c) not in placed
-                        placed[byte + 2 * c] = (pos, unit, cpw * warp + group * grp + c)
-                if group == 4:
-                    assert all(conflict_free(a, 8) for a in half_warp_addresses)
+                        placed[byte + 2 * c] = (pos, unit, cpw * warp + 4 * half + c)
+                assert all(conflict_free(a, 8) for a in half_warp_addresses)
     assert len(placed) == 16 * 8 * 32
     for warp in range(warps):  # the copy out: halves swapped back where bit 1 of warp is set
         for lane in range(32):
