@@ -53,7 +53,6 @@ CONSTANTS = {
     "MMA_CL_FEW_WARPS": 4,  # fwd_mma_cl at KS MMA_CL_FOUR_FIRST .. _LAST: warps a block (8
     "MMA_CL_FOUR_FIRST": 3,  # channels each), two barriers a step
     "MMA_CL_FOUR_LAST": 4,
-    "MMA_CL_TWO_BARRIERS": 4,  # fwd_mma_cl: the KS of two barriers a step (else one)
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
@@ -448,20 +447,17 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 
 
 def mma_cl_one_barrier(ks: int) -> bool:
-    """Whether fwd_mma_cl at KS k-steps has one barrier a step (three staging buffers, a ring of
-    KS + 1 blocks; else two, two and KS): all but KS MMA_CL_TWO_BARRIERS. On the H100, KS 3 with
-    one barrier 10 % faster on (64, 1024, 512), level on (8, 5120, 2048); KS 4 4 % slower
-    (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and 6-7"). The kernel's
-    ``fwd_mma_cl_one_barrier`` is the same rule."""
-    return ks != CONSTANTS["MMA_CL_TWO_BARRIERS"]
+    """Whether fwd_mma_cl at KS k-steps runs blocks of MMA_CL_WARPS warps with one barrier a
+    step (else MMA_CL_FEW_WARPS warps with two): outside KS MMA_CL_FOUR_FIRST ..
+    MMA_CL_FOUR_LAST. On the H100, KS 2 8 % faster that way, KS 3 level, KS 4 6 % slower; KS 5
+    12 % faster on the H200 (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and
+    6-7"). The kernel's ``fwd_mma_cl_one_barrier`` is the same rule."""
+    return not CONSTANTS["MMA_CL_FOUR_FIRST"] <= ks <= CONSTANTS["MMA_CL_FOUR_LAST"]
 
 
 def mma_cl_block_warps(ks: int) -> int:
-    """fwd_mma_cl's warps a block at KS k-steps: MMA_CL_WARPS, but MMA_CL_FEW_WARPS at KS
-    MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST (the kernel's ``fwd_mma_cl_warps``). On the H100, KS 2
-    8 % faster in 8 warps, KS 3 level, KS 4 6 % slower; KS 5 12 % faster on the H200."""
-    few = CONSTANTS["MMA_CL_FOUR_FIRST"] <= ks <= CONSTANTS["MMA_CL_FOUR_LAST"]
-    return CONSTANTS["MMA_CL_FEW_WARPS" if few else "MMA_CL_WARPS"]
+    """fwd_mma_cl's warps a block at KS k-steps (the kernel's ``fwd_mma_cl_warps``)."""
+    return CONSTANTS["MMA_CL_WARPS" if mma_cl_one_barrier(ks) else "MMA_CL_FEW_WARPS"]
 
 
 def mma_cl_shared_memory(ks: int) -> tuple[int, int]:

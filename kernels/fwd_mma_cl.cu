@@ -20,10 +20,10 @@
 // row, so one ldmatrix.trans gives each lane the B fragment of two k-steps directly (lane (g,
 // tg): positions 2 tg, 2 tg + 1 of unit g). The outputs, packed by channel pairs into a 16-byte
 // vector of 8 channels for each of a lane's four (position, unit) places, go back through the
-// staging buffer just read and out in 64-byte runs by the threads that copied them in. At KS
-// MMA_CL_TWO_BARRIERS a step has two block barriers (the ring holds the step's window; the outputs
-// are in the buffer), two staging buffers (the next step's copy in flight) and RB = KS ring
-// blocks. Elsewhere one (ONE): the outputs wait in their buffer until the next step's barrier, the
+// staging buffer just read and out in 64-byte runs by the threads that copied them in. In blocks
+// of 4 warps a step has two block barriers (the ring holds the step's window; the outputs are in
+// the buffer), two staging buffers (the next step's copy in flight) and RB = KS ring blocks. In
+// blocks of 8, one (ONE): the outputs wait in their buffer until the next step's barrier, the
 // copy two steps ahead is in flight (three buffers), and the ring has RB = KS + 1 blocks (the
 // next step's moves fill one no warp still computing this step reads). Channels' rings lie 16 RB
 // + 1 rows apart (8 neighbouring channels at one position meet 8 bank groups), the staging
@@ -55,20 +55,19 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// MMA_CL_WARPS warps a block, but MMA_CL_FEW_WARPS at KS MMA_CL_FOUR_FIRST .. MMA_CL_FOUR_LAST; one
-// block barrier a step, but two at KS MMA_CL_TWO_BARRIERS (the plan's mma_cl_block_warps,
-// mma_cl_one_barrier).
-__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks != MMA_CL_TWO_BARRIERS; }
-__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) {
-    return ks < MMA_CL_FOUR_FIRST || ks > MMA_CL_FOUR_LAST ? MMA_CL_WARPS : MMA_CL_FEW_WARPS;
-}
+// MMA_CL_WARPS warps a block and one block barrier a step, but at KS MMA_CL_FOUR_FIRST ..
+// MMA_CL_FOUR_LAST MMA_CL_FEW_WARPS and two (the plan's mma_cl_one_barrier, mma_cl_block_warps).
+__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks < MMA_CL_FOUR_FIRST || ks > MMA_CL_FOUR_LAST; }
+__host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? MMA_CL_WARPS : MMA_CL_FEW_WARPS; }
 
-// Register budgets, 4 warps a block: that of 3 blocks an SM (168 registers), the blocks the shared
-// memory holds at KS 3 with one barrier (65 KB) and at KS 4 with two: benchmarks/NOTES.md,
+// Register budgets, 4 warps a block: at KS 3 that of 4 blocks an SM (128; at 96 KS 3 spills and
+// runs slower), at KS 4 that of 3, the blocks the shared memory holds there: benchmarks/NOTES.md,
 // "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async". 8 warps a block: that of 2 blocks
 // (128 registers, no spills; 80, for 3 blocks, spill: 20 / 48 bytes at KS 2, in the step loop
 // at KS 5), the blocks the shared memory holds from KS 5.
-__host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) { return fwd_mma_cl_warps(ks) == MMA_CL_WARPS ? 2 : 3; }
+__host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
+    return fwd_mma_cl_one_barrier(ks) ? 2 : ks == 3 ? 4 : 3;
+}
 
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(KS)) fwd_mma_cl(FWD_ARRAYS, const __grid_constant__ FwdMmaClParams p) {

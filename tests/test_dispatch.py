@@ -323,8 +323,7 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         assert 16 * (ks - 1) >= width - 1 and fields["span"] % step == 0
         assert fields["pieces"] == -(-300 // fields["span"])
         more = _forward_plan.mma_cl_one_barrier(ks)
-        few = 3 <= ks <= 4  # (4 warps at KS 3-4, 8 elsewhere)
-        warps = _forward_plan.CONSTANTS["MMA_CL_FEW_WARPS" if few else "MMA_CL_WARPS"]
+        warps = _forward_plan.CONSTANTS["MMA_CL_WARPS" if more else "MMA_CL_FEW_WARPS"]
         assert plan.block == (32 * warps, 1)
         # the ring (32 channels x 16 RB + 1 rows of 16 bytes, RB = KS + one barrier a step), 2 +
         # one staging buffers, the taps and biases (32 channels x D + 32 word pairs and one)
