@@ -51,7 +51,7 @@ CONSTANTS = {
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 8,  # fwd_mma_cl: warps a block (4 channels each), one barrier a step
     "MMA_CL_FEW_WARPS": 4,  # fwd_mma_cl at KS MMA_CL_FOUR_FIRST .. _LAST: warps a block (8
-    "MMA_CL_FOUR_FIRST": 3,  # channels each), two barriers a step
+    "MMA_CL_FOUR_FIRST": 2,  # channels each), two barriers a step
     "MMA_CL_FOUR_LAST": 4,
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
