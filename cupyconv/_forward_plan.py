@@ -449,9 +449,10 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 def mma_cl_one_barrier(ks: int) -> bool:
     """Whether fwd_mma_cl at KS k-steps runs blocks of MMA_CL_WARPS warps with one barrier a
     step (else MMA_CL_FEW_WARPS warps with two): outside KS MMA_CL_FOUR_FIRST ..
-    MMA_CL_FOUR_LAST. On the H100, KS 2 8 % faster that way, KS 3 level, KS 4 6 % slower; KS 5
-    12 % faster on the H200 (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and
-    6-7"). The kernel's ``fwd_mma_cl_one_barrier`` is the same rule."""
+    MMA_CL_FOUR_LAST. KS 5 12 % faster that way on the H200; KS 2 faster on an H100 (8 %) but
+    14 % slower on the H200, KS 3 with one barrier the same (benchmarks/NOTES.md, "fwd_mma_cl in
+    8-warp blocks at KS 2 and 6-7", "The H200 against the H100 at KS 2-3"). The kernel's
+    ``fwd_mma_cl_one_barrier`` is the same rule."""
     return not CONSTANTS["MMA_CL_FOUR_FIRST"] <= ks <= CONSTANTS["MMA_CL_FOUR_LAST"]
 
 
