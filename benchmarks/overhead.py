@@ -8,8 +8,14 @@ loops of N / 5 calls, each ending with one synchronisation): what a caller pays 
 host. The table is measured ``--passes`` times over and each row shows its least: on the
 benchmark machine the host runs slower for the first seconds of a process. Problems: the
 forward and backward on (1, 256, 512), the update on (1, 5120) with a state of width - 1, the
-varlen states of 4 packed sequences of (512, 256); bfloat16, width 4, SiLU, bias.
-``--profile ROW`` shows the hottest Python functions of that row.
+varlen states of 4 packed sequences of (512, 256); bfloat16, width 4, SiLU, bias. The training
+step on (1, 256, 512) comes in parts: the whole step through torch autograd (grads set to None,
+forward, ``.backward(dout)``), the forward under autograd alone and ``torch.autograd.grad`` of a
+graph kept from one forward (what ``.backward()`` adds beyond those two: the graph's build and
+release, the gradients' accumulation into ``.grad``); after the table, whether autograd took
+each gradient as the backward made it (stolen) or copied it. ``--profile ROW`` shows the
+hottest Python functions of that row, ``--ops ROW`` the torch operators it runs (a copy behind
+``AccumulateGrad`` shows there).
 """
 
 from __future__ import annotations
@@ -60,16 +66,17 @@ def _jax_forward(x, w, b):
     return jax_forward, lambda: jax.block_until_ready(last[0]) if last else None
 
 
+SHAPES = ((1, 256, 512), (256, 4), (256,))  # the forward's and backward's x, weight, bias
+
+
 def rows_for(torch, cupy, jax_rows: bool, reference):
     """{row name: (fn, sync)} for every operator and framework present."""
     import cupyconv
 
     bf16 = torch.bfloat16
     dev = "cuda"
-    x = torch.randn(1, 256, 512, device=dev, dtype=bf16)
+    x, w, b = (torch.randn(*shape, device=dev, dtype=bf16) for shape in SHAPES)
     x_cl = torch.randn(1, 512, 256, device=dev, dtype=bf16).transpose(1, 2)
-    w = torch.randn(256, 4, device=dev, dtype=bf16)
-    b = torch.randn(256, device=dev, dtype=bf16)
     dout = torch.randn_like(x)
     ux = torch.randn(1, 5120, device=dev, dtype=bf16)
     uw = torch.randn(5120, 4, device=dev, dtype=bf16)
@@ -92,8 +99,10 @@ def rows_for(torch, cupy, jax_rows: bool, reference):
         "update, torch": (lambda: update(ux, state, uw, ub, "silu"), sync),
         "varlen states, torch": (lambda: varlen(vx, cu, 3), sync),
     }
+    rows.update(step_rows("", fn, torch, x, w, b, dout))
     if reference is not None:
         rfn, rupdate, rvarlen = reference
+        rows.update(step_rows(": causal_conv1d", rfn, torch, x, w, b, dout))
         rows["forward, torch: causal_conv1d"] = (lambda: rfn(x, w, b, activation="silu"), sync)
         rows["forward + final states (cl): causal_conv1d"] = (
             lambda: rfn(x_cl, w, b, return_final_states=True, activation="silu"),
@@ -116,6 +125,48 @@ def rows_for(torch, cupy, jax_rows: bool, reference):
     return rows
 
 
+def leaves(x, w, b):
+    """Leaves that require grad, on the same storage."""
+    return [t.detach().requires_grad_() for t in (x, w, b)]
+
+
+def step_rows(suffix: str, conv, torch, x, w, b, dout) -> dict:
+    """The training step's parts through torch autograd for ``conv`` (a causal_conv1d_fn)."""
+    xg, wg, bg = leaves(x, w, b)
+    kept = []
+
+    def step():
+        xg.grad = wg.grad = bg.grad = None
+        conv(xg, wg, bg, activation="silu").backward(dout)
+
+    def grad_of_kept_graph():
+        if not kept:
+            kept.append(conv(xg, wg, bg, activation="silu"))
+        torch.autograd.grad(kept[0], (xg, wg, bg), dout, retain_graph=True)
+
+    sync = torch.cuda.synchronize
+    return {
+        f"training step (autograd), torch{suffix}": (step, sync),
+        f"forward under autograd, torch{suffix}": (
+            lambda: conv(xg, wg, bg, activation="silu"),
+            sync,
+        ),
+        f"autograd.grad of a kept graph, torch{suffix}": (grad_of_kept_graph, sync),
+    }
+
+
+def stolen(conv, torch, x, w, b, dout) -> list[bool]:
+    """Whether x's, weight's and bias's .grad after a step are the very tensors the backward
+    made (a hook on each leaf sees them before they are accumulated)."""
+    made = []
+    grads = leaves(x, w, b)
+    for t in grads:
+        t.register_hook(lambda g: made.append(g.data_ptr()))
+    conv(*grads, activation="silu").backward(dout)
+    torch.cuda.synchronize()
+    return [t.grad.data_ptr() == p for t, p in zip(grads, made)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -124,6 +175,7 @@ def main():
     )
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", help="a row name (substring) to profile")
+    parser.add_argument("--ops", help="a row name (substring) whose torch operators to list")
     args = parser.parse_args()
 
     import torch
@@ -153,6 +205,15 @@ def main():
     print(f"{'row':46s} {'us/call':>8s}")
     for name, us in results.items():
         print(f"{name:46s} {us:8.1f}")
+    import cupyconv
+
+    x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in SHAPES)
+    dout = torch.randn_like(x)
+    convs = {"cupyconv": cupyconv.causal_conv1d_fn}
+    if reference is not None:
+        convs["causal_conv1d"] = reference[0]
+    for name, conv in convs.items():
+        print(f"gradients stolen (x, weight, bias), {name}: {stolen(conv, torch, x, w, b, dout)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": args.calls, "us_per_call": results}, f, indent=1)
@@ -167,6 +228,15 @@ def main():
         sync()
         print(f"\nprofile of {name!r}")
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    if args.ops:
+        name = next(n for n in rows if args.ops in n)
+        fn, sync = rows[name]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(100):
+                fn()
+            sync()
+        print(f"\ntorch operators of {name!r} (100 calls)")
+        print(prof.key_averages().table(sort_by="count", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":
