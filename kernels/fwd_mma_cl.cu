@@ -6,8 +6,8 @@
 //
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
-// m16n8k16 MMA. A block of W warps (MMA_CL_WARPS = 8; MMA_CL_FEW_WARPS = 4 at KS MMA_CL_FOUR_FIRST
-// .. _LAST) takes items (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks
+// m16n8k16 MMA. A block of W warps (MMA_CL_FEW_WARPS = 4; MMA_CL_WARPS = 8 from KS
+// MMA_CL_MORE_WARPS) takes items (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks
 // its units' pieces together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
 // the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
 // 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
@@ -55,9 +55,9 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
     }
 }
 
-// MMA_CL_WARPS warps a block and one block barrier a step, but at KS MMA_CL_FOUR_FIRST ..
-// MMA_CL_FOUR_LAST MMA_CL_FEW_WARPS and two (the plan's mma_cl_one_barrier, mma_cl_block_warps).
-__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks < MMA_CL_FOUR_FIRST || ks > MMA_CL_FOUR_LAST; }
+// From KS MMA_CL_MORE_WARPS: MMA_CL_WARPS warps a block and one block barrier a step (else
+// MMA_CL_FEW_WARPS and two; the plan's mma_cl_one_barrier, mma_cl_block_warps).
+__host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks >= MMA_CL_MORE_WARPS; }
 __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? MMA_CL_WARPS : MMA_CL_FEW_WARPS; }
 
 // Register budgets, 4 warps a block: at KS 2 that of 6 blocks an SM (80 registers; the shared
