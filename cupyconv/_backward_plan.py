@@ -149,6 +149,12 @@ CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # in one wave of groups twice as long, 4-5 % slower than in 1.7 waves; benchmarks/NOTES.md,
 # "bwd_channel's groups in one wave").
 CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS, CHANNEL_LONG_STEPS = 512, 2048, 16, 640
+# bwd_channel's block sums: where a call's batch rows fit one block's warps with groups of at most
+# CHANNEL_BLOCK_STEPS steps, block s takes strip s and adds its warps' dweight / dbias itself:
+# one part, so no partials to allocate and no bwd_reduce to launch, which is what a short call
+# such as a (1, 256, 512) training step's spends its host time on (benchmarks/NOTES.md,
+# "bwd_channel's block sums").
+CHANNEL_BLOCK_STEPS = 128
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -190,7 +196,7 @@ CHANNEL = Kernel(
     "bwd_channel", "bwd_channel.cu", "BwdChannelParams",
     (
         "dout_aligned", "dx_aligned", "rows16", "strip_divisor", "group_divisor",
-        "group_tiles",
+        "group_tiles", "block_sum",
     ),
     pdl=True,
 )  # fmt: skip
@@ -814,16 +820,34 @@ def _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device) -> Back
     name = _channel_name(x.dtype_name, width, has_seq)
     strips = -(-dim // (32 * lane_bytes // itemsize))
     slots = resident_blocks(device, CHANNEL.source, name, 32 * warps, 0) * warps
-    tiles = _channel_group_tiles(-(-seqlen // steps), batch * strips, steps, slots)
+    row_tiles = -(-seqlen // steps)
+    tiles = _channel_group_tiles(row_tiles, batch * strips, steps, slots)
     groups = -(-seqlen // (steps * tiles))
     grid = _grid(batch * groups * strips, warps)
+    block_tiles = 0  # block sums: a block a strip
+    if batch * groups > 1 and strips <= MAX_GRID:
+        block_tiles = _channel_block_tiles(row_tiles, batch, steps, warps)
+    block_sum = block_tiles > 0
+    if block_sum:  # one block a strip, its warps a batch row's groups each
+        tiles, groups, grid = block_tiles, -(-row_tiles // block_tiles), strips
     launch = CHANNEL.launch(
         name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes),
-        rows16=rows_aligned(x, 1) and rows_aligned(dout, 1), strip_divisor=fast_divisor(strips),
-        group_divisor=fast_divisor(groups), group_tiles=tiles,
+        rows16=rows_aligned(x, 1) and rows_aligned(dout, 1),
+        strip_divisor=fast_divisor(warps if block_sum else strips),
+        group_divisor=fast_divisor(groups), group_tiles=tiles, block_sum=block_sum,
     )  # fmt: skip
-    return _finish([launch], x, width, states, batch * groups, None)
+    return _finish([launch], x, width, states, 1 if block_sum else batch * groups, None)
+
+
+def _channel_block_tiles(row_tiles: int, batch: int, steps: int, warps: int) -> int:
+    """bwd_channel's tiles a group with block sums (a block's ``warps`` warps take every batch
+    row's groups of a strip), 0 where the batch rows do not fit a block or the groups would be
+    longer than CHANNEL_BLOCK_STEPS."""
+    if batch > warps:
+        return 0
+    tiles = -(-row_tiles // (warps // batch))
+    return tiles if tiles * steps <= CHANNEL_BLOCK_STEPS else 0
 
 
 def _finish(launches: list, x: Array, width: int, states: bool, n_parts: int, scratch):

@@ -18,6 +18,10 @@
 // (from initial_states before the row). The lane's dweight / dbias sums over the group are written
 // once as part (b, group) of the partials. Groups are numbered strips fastest, then time, then
 // batch row, one per warp, divided by the plan's fast divisors p.strip_divisor and p.group_divisor.
+// p.block_sum (a call whose batch rows x groups a row fit one block's WARPS warps): block s takes
+// strip s, its warp w group w mod groups_per_row of batch row w / groups_per_row; the warps' sums
+// meet in their stage areas and warp 0 adds them in warp order into dweight and dbias (one part:
+// no partials, no bwd_reduce).
 // dout must split into the same lane vectors as x (p.dout_aligned, else it is read element by
 // element); p.dx_aligned: dx does too.
 #include "bwd_common.cuh"
@@ -44,18 +48,28 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
     constexpr int PIECES = 2 * BYTES;  // 16-byte pieces of a staged row (32 lanes x BYTES)
     constexpr int ROUND = 32 / PIECES;  // rows the warp stages together per 16-byte copy of a lane
     const int lane = threadIdx.x & 31;
-    __shared__ Raw stage_mem[WARPS][BUFS][2 * R * 32];  // per warp, BUFS tiles: R rows of x, R of dout
+    __shared__ __align__(16) Raw stage_mem[WARPS][BUFS][2 * R * 32];  // per warp, BUFS tiles: R rows of x, R of dout
+    static_assert(sizeof(stage_mem[0]) >= (K + 1) * V * 32 * sizeof(A), "a warp's sums fit its stage area");
     Raw (*const stage)[2 * R * 32] = stage_mem[threadIdx.x / 32];
     const int64 n_strips = (dim + 32 * V - 1) / (32 * V);
     const int64 groups_per_row = (seqlen + span - 1) / span;
-    const int64 n_groups = batch * groups_per_row * n_strips;
+    // With SiLU, the taps and bias scaled (silu_grad_scaled), and so are dz and dw.
+    const A scale = act_scale<A>(silu_act);
+    const bool block_sum = p.block_sum;
+    const int64 n_groups = block_sum ? n_strips * WARPS : batch * groups_per_row * n_strips;
+    A dw[K + 1][V] = {};  // this lane's share of dweight and (k = K) dbias over its group
 
     for (int64 g = grid_warp(); g < n_groups; g += grid_warps()) {
-        int64 bt, strip, b, group;
-        divmod_fast(g, n_strips, strip_divisor, bt, strip);
+        // Block sums: g = strip WARPS + w (p.strip_divisor divides by WARPS; the warps past the
+        // strip's groups have none).
+        int64 q, r, strip, bt, b, group;
+        divmod_fast(g, block_sum ? WARPS : n_strips, strip_divisor, q, r);
+        strip = block_sum ? q : r;
+        bt = block_sum ? r : q;
+        if (bt >= batch * groups_per_row) continue;
         divmod_fast(bt, groups_per_row, group_divisor, b, group);
         const int64 c0 = strip * (32 * V) + lane * V;
-        if (c0 >= dim) continue;  // (nothing below is collective)
+        if (c0 >= dim) continue;  // (nothing below is collective but among the lanes with channels)
         const T* const xb = x + b * x_batch_stride + c0;
         const T* const db = dout + b * dout_batch_stride + c0 * dout_c_stride;
         T* const dxb = dx + b * dx_batch_stride + c0 * dx_c_stride;
@@ -140,8 +154,6 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         #pragma unroll
         for (int i = 0; i < BUFS - 1; ++i) stage_tile(i);
 
-        // With SiLU, the taps and bias scaled (silu_grad_scaled), and so are dz and dw.
-        const A scale = act_scale<A>(silu_act);
         A w[K][V], bias_v[V] = {};
         #pragma unroll
         for (int v = 0; v < V; ++v) {
@@ -150,7 +162,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 w[k][v] = scale * load_as<A>(weight, weight_dtype, (c0 + v) * weight_c_stride + k * weight_width_stride);
             if (bias) bias_v[v] = scale * load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
         }
-        A dw[K + 1][V] = {};  // this lane's share of dweight and (k = K) dbias over the group
+        #pragma unroll
+        for (int k = 0; k <= K; ++k)
+            #pragma unroll
+            for (int v = 0; v < V; ++v) dw[k][v] = A(0);
         T* dxp = dxb + g0 * dx_l_stride;  // dx at the next position it is written
         // Rings of K slots: position g0 + r - W + k of the window of step r in slot (r + k) mod K.
         A xw[K][V], dzw[K][V];
@@ -270,10 +285,32 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 else steps_from(r0, Flag<false>(), Flag<false>(), Flag<false>());
             }
         }
+        if (block_sum) break;  // its one group; the block adds the sums below
         #pragma unroll
         for (int v = 0; v < V; ++v)
             #pragma unroll
             for (int k = 0; k <= K; ++k)
                 write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, k, scale * dw[k][v]);
+    }
+    if (block_sum) {  // one block a strip, the loop above a group a warp at most: dweight, dbias
+        __syncthreads();  // every warp is done with its stage area
+        A* const sums = reinterpret_cast<A*>(stage);
+        #pragma unroll
+        for (int k = 0; k <= K; ++k)
+            #pragma unroll
+            for (int v = 0; v < V; ++v) sums[(k * V + v) * 32 + lane] = scale * dw[k][v];  // 0 without a group
+        __syncthreads();
+        const int64 c0 = blockIdx.x * (int64)(32 * V) + lane * V;
+        if (threadIdx.x < 32 && c0 < dim) {
+            #pragma unroll
+            for (int k = 0; k <= K; ++k)
+                #pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    A s = A(0);
+                    #pragma unroll
+                    for (int w = 0; w < WARPS; ++w) s += reinterpret_cast<const A*>(stage_mem[w])[(k * V + v) * 32 + lane];
+                    write_sum(partials, dweight, dbias, p, 0, c0 + v, k, s);
+                }
+        }
     }
 }

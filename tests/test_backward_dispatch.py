@@ -275,7 +275,7 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
         ((8, 5120, 2600), 55),  # 325 tiles: 4 groups would pass CHANNEL_LONG_STEPS; 6 of 55
         ((24, 4000, 512), 64),  # 1512 rows: 2 groups a row would be more than a wave
         ((512, 1024, 512), 64),  # 8192 rows: more than a wave with one group a row
-        ((1, 256, 512), 2),  # 4 rows: groups of CHANNEL_MIN_STEPS steps
+        ((2, 256, 512), 2),  # 8 rows: groups of CHANNEL_MIN_STEPS steps
     ],
 )
 def test_channel_groups(launches, monkeypatch, shape, tiles):
@@ -291,6 +291,35 @@ def test_channel_groups(launches, monkeypatch, shape, tiles):
     groups = -(-seqlen // (8 * tiles))
     assert params["group_divisor"] == _launch.fast_divisor(groups)
     assert plan.grid * 4 >= batch * -(-dim // 64) * groups
+
+
+@pytest.mark.parametrize(
+    "shape,tiles",
+    [
+        ((1, 256, 512), 16),  # 64 tiles a row: 4 groups of 128 steps, one a warp of the block
+        ((2, 40, 50), 4),  # 7 tiles a row: 2 groups a row of 4 tiles, 2 batch rows
+        ((3, 1024, 128), 16),  # one group a row
+        ((2, 256, 512), 0),  # groups of 256 steps: longer than CHANNEL_BLOCK_STEPS
+        ((5, 64, 64), 0),  # more batch rows than a block's 4 warps
+        ((1, 64, 16), 0),  # one group: one part already
+    ],
+)
+def test_channel_block_sums(launches, monkeypatch, shape, tiles):
+    """bwd_channel's block sums: where every batch row's groups of a strip fit one block's
+    warps with at most CHANNEL_BLOCK_STEPS steps each, one block a strip adds dweight and dbias
+    itself (one part: no partials, no bwd_reduce); elsewhere the groups of test_channel_groups."""
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
+    batch, dim, seqlen = shape
+    call(cl(batch, dim, seqlen, dtype=np.float16))
+    name, plan, params = launches["launches"][0]
+    assert name == "bwd_channel" and params["block_sum"] == (tiles > 0)
+    if tiles:
+        groups = -(-seqlen // (8 * tiles))
+        assert params["group_tiles"] == tiles and batch * groups <= 4
+        assert plan.grid == -(-dim // 64) and params["n_parts"] == 1
+        assert names(launches) == ["bwd_channel"] and params["pointers"][11] == 0  # partials
+    else:
+        assert params["group_tiles"] * 8 <= _backward_plan.CHANNEL_STEPS
 
 
 def test_fields_match_the_structs():

@@ -781,6 +781,37 @@ def test_channel_groups_in_turn(channel_groups, monkeypatch, width, seqlen):
     assert plan.launches[0].grid == 2
 
 
+@pytest.mark.parametrize(
+    "batch,dim,seqlen,width,dtype",
+    [
+        (1, 256, 512, 4, "bfloat16"),  # the (1, 256, 512) training step's backward
+        (2, 70, 100, 4, "bfloat16"),  # a strip cut by dim: lanes without channels
+        (2, 40, 40, 3, "float32"),
+        (3, 45, 90, 12, "float16"),  # one channel a lane
+        (2, 34, 60, 9, "float64"),
+    ],
+)
+@pytest.mark.parametrize("features", ["seq-padding-init-dfinal", "nobias-nosilu", "buffers"])
+def test_channel_block_sums(monkeypatch, batch, dim, seqlen, width, dtype, features):
+    """bwd_channel's block sums (a block a strip, its warps every batch row's groups): dweight
+    and dbias added in the block, one part, no bwd_reduce; bitwise the same when repeated."""
+    from cupyconv import _backward_plan, _fast
+
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    case = dict(layout="cl", seed=seqlen, **features_of(features, 3))
+    first = run_bwd(batch, dim, seqlen, width, dtype, **case)
+    (plan,) = _backward_plan._plans.values()
+    main = plan.launches[0]
+    f = dict(zip(_backward_plan.CHANNEL.plan_fields, main.plan_fields, strict=True))
+    assert main.name.startswith("bwd_channel<") and f["block_sum"] == 1 and plan.n_parts == 1
+    assert "bwd_reduce" not in "".join(launch.name for launch in plan.launches)
+    import torch
+
+    again = run_bwd(batch, dim, seqlen, width, dtype, **case)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
 @pytest.mark.parametrize("width", (3, 12))
 def test_channel_groups_features(channel_groups, features, width):

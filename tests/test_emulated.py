@@ -211,6 +211,7 @@ def templates(launches):
 
 # (shape, width, layout, dtype, weight dtype, features, arch) -> the kernel template expected
 SHAPE, LONG, WHOLE = (2, 40, 300), (1, 36, 700), (1, 8, 512)
+SHORT = (2, 40, 50)  # bwd_channel's block sums
 FORWARD = {
     (SHAPE, 4, "cf", "bfloat16", None, (), 900): "fwd_time",
     (SHAPE, 4, "cl", "bfloat16", None, (), 900): "fwd_channel",
@@ -233,6 +234,8 @@ BACKWARD = {
     (SHAPE, 4, "cf", "bfloat16", None, (), 900): "bwd_time",
     (SHAPE, 4, "cl", "bfloat16", None, ("seq_idx", "states"), 900): "bwd_channel",
     (SHAPE, 16, "cl_slice", "float32", None, (), 900): "bwd_channel",
+    (SHORT, 4, "cl", "bfloat16", None, ("seq_idx", "states"), 900): "bwd_channel",
+    (SHORT, 12, "cl_odd", "float32", None, (), 900): "bwd_channel",
     (LONG, 16, "cf", "bfloat16", None, (), 900): "bwd_mma_time",
     (SHAPE, 33, "cf", "bfloat16", None, ("states",), 900): "bwd_mma_time",
     (SHAPE, 40, "cf", "bfloat16", None, ("states",), 900): "bwd_mma",
