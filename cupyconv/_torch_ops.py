@@ -395,12 +395,11 @@ def _operator_backward(
 def _eager_backward(
     ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
 ):  # fmt: skip
-    """The lean path, else the public backward."""
-    grads = backward.lean_backward(
-        x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
-    )
-    if grads is not None:
-        return grads
+    """The lean path (``_fast.py``), else the public backward."""
+    inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal)
+    made = _fast.run_torch(inputs, ("bwd", act, want_dinit), x)
+    if made is not None:
+        return made[:4]
     return backward.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act
     )
@@ -445,14 +444,14 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, return_final_states):
-        # The lean path (``_fast.py``), else the public function (grad mode is off in here).
+        # The lean path (``_fast.py``; return_final_states is a bool here), else the public
+        # function (grad mode is off in here).
         arrays = (x, weight, bias, seq_idx, initial_states)
-        key, inputs = forward.lean_key(
-            _fast.Torch, *arrays, return_final_states, None, activation, None
-        )
-        res = forward.lean_call(key, inputs, return_final_states)
-        if res is None:
+        made = _fast.run_torch(arrays, ("fwd", activation, return_final_states), x)
+        if made is None:
             res = forward.causal_conv1d_fn(*arrays, return_final_states, None, activation)
+        else:
+            res = (made[0], made[1]) if return_final_states else made[0]
         _setup_context(ctx, (*arrays, activation), res)
         return res
 

@@ -94,15 +94,6 @@ def lean_key(
     return _fast.signature(fw, inputs, "bwd", activation, want, written=written), inputs
 
 
-def lean_backward(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, want, act):
-    """The results of a call without output buffers on the lean path, for torch autograd's
-    backward; None where it has no FastCall (then the public function runs)."""
-    inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
-    key = _fast.signature(_fast.Torch, inputs, "bwd", act, want)
-    made = _fast.run(key, x)
-    return None if made is None else made[:4]
-
-
 class _BackwardCall:
     """The arguments of one backward call, described and checked once."""
 
