@@ -132,6 +132,39 @@ def test_unreadable_arrays_take_the_full_path():
     assert sig(np.zeros(3)) is None
 
 
+class Recorder:
+    """A Replay that records the addresses it is run with."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, pointers, stream):
+        self.runs.append(list(pointers))
+
+
+def test_run_torch_is_signature_then_run():
+    """``run_torch`` finds what the full path left under ``signature``: the outputs allocated
+    (LIKE: x's layout; a spec: its shape, strides and dtype; None), the launch with the inputs'
+    addresses then the outputs' (0 for absent ones); a layout the candidates do not check true,
+    or other arguments, miss; an unreadable tensor takes the full path."""
+    x, w = torch.zeros(2, 8, 16).transpose(1, 2), torch.zeros(16, 4)
+    spec = ((16, 5), (1, 16), torch.float32, x.device)
+    fast = _fast.FastCall(Torch, 0, Recorder(), (_fast.LIKE, None, spec))
+    fast.stream = lambda device: 7
+    _fast.store(sig(x, None, w, others=("bwd", "silu", False)), fast)
+    made = _fast.run_torch((x, None, w), ("bwd", "silu", False), x)
+    assert made[1] is None and made[0].stride() == x.stride() and made[0].shape == x.shape
+    assert made[2].shape == (16, 5) and made[2].stride() == (1, 16)
+    assert fast.replay.runs == [
+        [x.data_ptr(), 0, w.data_ptr(), made[0].data_ptr(), 0, made[2].data_ptr()]
+    ]
+    assert _fast.run_torch((x, None, w), ("bwd", None, False), x) is None
+    assert _fast.run_torch((x, None, w.t().contiguous().t()), ("bwd", "silu", False), x) is None
+    assert _fast.run_torch((x, w, None), ("bwd", "silu", False), x) is None
+    assert _fast.run_torch((x, None, torch.zeros(3).to_sparse()), ("bwd", "silu", False), x) is None
+    assert len(fast.replay.runs) == 1
+
+
 def test_framework_by_type():
     assert _fast.framework(torch.zeros(1)) is Torch
     assert _fast.framework(torch.nn.Parameter(torch.zeros(1))) is Torch
