@@ -87,19 +87,12 @@ def run(sig: tuple | None, like) -> tuple | None:
 
 def run_torch(arrays: tuple, others: tuple, like) -> list | None:
     """``run(signature(Torch, arrays, *others), like)`` for torch tensors that the call does
-    not write, in one frame: the new outputs as a list, None where the call takes the full
-    path. (torch autograd's training step runs a forward and a backward through here; each
-    frame and each object the pair touches costs it on the host.)"""
-    ptrs, low = [], 0
+    not write, without those functions' layers (the key, the candidates' check and the outputs
+    inline): the new outputs as a list, None where the call takes the full path. (torch
+    autograd's training step runs a forward and a backward through here; each frame and each
+    object the pair touches costs it on the host.)"""
     try:  # = Torch.signature(arrays, others, ())
-        for t in arrays:
-            if t is None:
-                ptrs.append(0)
-                low <<= 5
-            else:
-                p = t.data_ptr()
-                ptrs.append(p)
-                low = low << 5 | 16 | p & 15
+        ptrs, low = _addresses(arrays)
         found = _calls.get((Torch, *others, like.shape, low))
     except Exception:  # noqa: BLE001 - a tensor the fast path cannot read: the full path
         return None
@@ -150,15 +143,7 @@ class Torch:
         present with their address bits and, for each written buffer, whether it is an
         inference tensor (writable only inside inference mode, which the layout check does
         not tell apart); the present tensors follow, for the layout check."""
-        ptrs, low = [], 0
-        for t in arrays:
-            if t is None:
-                ptrs.append(0)
-                low <<= 5
-            else:
-                p = t.data_ptr()
-                ptrs.append(p)
-                low = low << 5 | 16 | p & 15
+        ptrs, low = _addresses(arrays)
         key = (Torch, *others, arrays[0].shape, low, *[t.is_inference() for t in written])
         return key, ptrs, tuple([t for t in arrays if t is not None])
 
@@ -200,6 +185,21 @@ class Torch:
 
 
 _guards = None  # torch's TensorGuards class, imported with the first torch FastCall (False: none)
+
+
+def _addresses(tensors) -> tuple[list[int], int]:
+    """The tensors' addresses (0 for None) and the signature's bits of them: 5 a tensor,
+    whether present and the address's low 4 bits (what the plans read of it)."""
+    ptrs, low = [], 0
+    for t in tensors:
+        if t is None:
+            ptrs.append(0)
+            low <<= 5
+        else:
+            p = t.data_ptr()
+            ptrs.append(p)
+            low = low << 5 | 16 | p & 15
+    return ptrs, low
 
 
 class Cupy:
