@@ -152,8 +152,9 @@ CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS, CHANNEL_LONG_STEPS = 512, 
 # bwd_channel's block sums: where a call's batch rows fit one block's warps with groups of at most
 # CHANNEL_BLOCK_STEPS steps, block s takes strip s and adds its warps' dweight / dbias itself:
 # one part, so no partials to allocate and no bwd_reduce to launch, which is what a short call
-# such as a (1, 256, 512) training step's spends its host time on (benchmarks/NOTES.md,
-# "bwd_channel's block sums").
+# such as a (1, 256, 512) training step's spends its host time on; its GPU time is longer, a
+# warp a scheduler (benchmarks/NOTES.md, "bwd_channel's block sums, and the step's lean path in
+# one function").
 CHANNEL_BLOCK_STEPS = 128
 GENERAL_THREADS = 256  # bwd_dz, bwd_dx: threads per block
 STATES_THREADS = 64  # bwd_states: threads per block

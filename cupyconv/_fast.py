@@ -23,7 +23,8 @@ Every check of the full path depends on the signature alone, except that a buffe
 place must not share memory with an input: for those pairs the fast call compares the byte
 ranges, and where they meet it takes the full path, which decides exactly. Outputs come from
 the framework's allocator and the kernels run on its current stream. Other arrays always take
-the full path.
+the full path. torch autograd's calls, which write no buffer of the caller's, take
+``run_torch``: the same lookup and launch with ``signature``'s key built inline.
 
 Nothing here checks or plans: a missing entry, an attribute that raises (a sparse tensor) or a
 range overlap all mean "take the full path".
