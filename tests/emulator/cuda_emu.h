@@ -178,7 +178,7 @@ inline void start(Context& c, char* stack, size_t size, void (*entry)()) {
 }
 #endif
 
-enum Op { NONE, SYNCWARP, SHFL, SHFL_XOR, SHFL_UP, SHFL_DOWN, VOTE_ANY, VOTE_BALLOT, LDMATRIX, STMATRIX, MOVMATRIX, MMA };
+enum Op { NONE, SYNCWARP, SHFL, SHFL_XOR, SHFL_UP, SHFL_DOWN, VOTE_ANY, LDMATRIX, STMATRIX, MOVMATRIX, MMA };
 enum State { RUNNING, AT_WARP_OP, AT_BARRIER, DONE };
 
 struct Thread {
@@ -309,12 +309,6 @@ inline void complete(Thread* warp, unsigned lanes) {
             int any = 0;
             each([&](Thread& t, int) { any |= t.pred; });
             each([&](Thread& t, int) { t.out[0] = any; });
-            break;
-        }
-        case VOTE_BALLOT: {
-            unsigned ballot = 0;
-            each([&](Thread& t, int lane) { ballot |= (unsigned)t.pred << lane; });
-            each([&](Thread& t, int) { t.out[0] = ballot; });
             break;
         }
         case LDMATRIX: {  // lanes 8 q .. 8 q + 7 address matrix q's rows
@@ -587,12 +581,6 @@ template <typename T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta
 }
 template <typename T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     return cpc_shuffle(cpc::SHFL_DOWN, mask, v, (int)delta, width);
-}
-inline unsigned __ballot_sync(unsigned mask, int pred) {
-    cpc::Thread& t = *cpc::block.current;
-    t.pred = pred != 0;
-    cpc::warp_op(cpc::VOTE_BALLOT, mask);
-    return (unsigned)t.out[0];
 }
 inline int __any_sync(unsigned mask, int pred) {
     cpc::Thread& t = *cpc::block.current;
