@@ -50,8 +50,8 @@ CONSTANTS = {
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 8,  # fwd_mma_cl: warps a block (4 channels each), one barrier a step
-    "MMA_CL_FEW_WARPS": 4,  # fwd_mma_cl below KS MMA_CL_MORE_WARPS: warps a block (8 channels
-    "MMA_CL_MORE_WARPS": 5,  # each), two barriers a step
+    "MMA_CL_FEW_WARPS": 4,  # fwd_mma_cl below MMA_CL_MORE_WARPS: 8 channels a warp, 2 barriers
+    "MMA_CL_MORE_WARPS": 5,  # fwd_mma_cl: the KS from which blocks have MMA_CL_WARPS warps
     "MMA_CL_STEP": 16,  # fwd_mma_cl: positions a step (one k-step)
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
@@ -448,10 +448,10 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
 def mma_cl_one_barrier(ks: int) -> bool:
     """Whether fwd_mma_cl at KS k-steps runs blocks of MMA_CL_WARPS warps with one barrier a
     step (else MMA_CL_FEW_WARPS warps with two): from KS MMA_CL_MORE_WARPS on. KS 5 12 %
-    faster that way on the H200; KS 2 faster on an H100 (8 %) but
-    14 % slower on the H200, KS 3 with one barrier the same (benchmarks/NOTES.md, "fwd_mma_cl in
-    8-warp blocks at KS 2 and 6-7", "The H200 against the H100 at KS 2-3"). The kernel's
-    ``fwd_mma_cl_one_barrier`` is the same rule."""
+    faster that way on the H200; KS 2 faster on an H100 (8 %) but 14 % slower on the H200, KS 3
+    with one barrier the same (benchmarks/NOTES.md, "fwd_mma_cl in 8-warp blocks at KS 2 and
+    6-7", "The H200 against the H100 at KS 2-3"). The kernel's ``fwd_mma_cl_one_barrier`` is
+    the same rule."""
     return ks >= CONSTANTS["MMA_CL_MORE_WARPS"]
 
 

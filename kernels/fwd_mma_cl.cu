@@ -7,10 +7,11 @@
 // A row is cut into pieces of p.span steps; a unit is one piece of one batch row (unit U: row
 // U / p.pieces, piece U % p.pieces), and eight consecutive units are the eight columns n of an
 // m16n8k16 MMA. A block of W warps (MMA_CL_FEW_WARPS = 4; MMA_CL_WARPS = 8 from KS
-// MMA_CL_MORE_WARPS) takes items (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest, and walks
-// its units' pieces together in steps of MMA_CL_STEP = 16 positions: out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for
-// the 16 outputs t0 + o of every column, KS MMAs of 16 inputs each (k-step s: positions t0 - D +
-// 16 s ..), warp w computing channels CPW w .. CPW w + CPW - 1 of the 32 (CPW = 32 / W).
+// MMA_CL_MORE_WARPS) takes items (MMA_CL_GROUP = 32 channels, 8 units), channel group fastest,
+// and walks its units' pieces together in steps of MMA_CL_STEP = 16 positions:
+// out[t0 + o] = sum_m Tw[o][m] x[t0 - D + m] for the 16 outputs t0 + o of every column, KS MMAs
+// of 16 inputs each (k-step s: positions t0 - D + 16 s ..), warp w computing channels CPW w ..
+// CPW w + CPW - 1 of the 32 (CPW = 32 / W).
 //
 // Per step, the 16 positions of the 8 units and 32 channels (64 bytes a unit and position) come
 // by cp.async into a staging buffer, are moved by the warp that copied them (positions w, w + W,
