@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         const T* const db = dout + b * dout_batch_stride + c0 * dout_c_stride;
         T* const dxb = dx + b * dx_batch_stride + c0 * dx_c_stride;
         const int64 g0 = group * span, g1 = min(seqlen, g0 + span);
-        const int steps = (int)(g1 - g0) + W;  // positions g0 .. g1 + W - 1
+        const int len = (int)(g1 - g0), steps = len + W;  // positions g0 .. g1 - 1, and g1 + W - 1
         const int n_tiles = (steps + R - 1) / R;
 
         // A whole strip of 16-byte aligned rows is staged by the warp together, in 16-byte pieces
@@ -82,22 +82,34 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         // stages its own vectors.
         const bool together = BYTES < 16 && rows16 && (strip + 1) * (32 * V) <= dim;  // warp-uniform
         if (together) __syncwarp();  // the stage's last readers are done
-        // Tile i: rows of positions g0 + i R .., zeros past the row, into stage[i % BUFS]; one
-        // cp.async group a tile, an empty one past the group's last tile.
-        auto stage_tile = [&](int i) {
+        // The tiles are staged in order, tile t into buffer t mod BUFS (one cp.async group a tile,
+        // an empty one past the group's last tile), each from the lane's running sources: its
+        // piece of row `first` of the tile (together), or its vectors of the tile's first row.
+        // Rows past the row are zeros.
+        const int in_row = (int)min(seqlen - g0, (int64)n_tiles * R);  // staged rows inside the row
+        const int piece = lane % PIECES, first = together ? lane / PIECES : 0;
+        const int64 c_first = together ? strip * (32 * V) + piece * (16 / (int)sizeof(T)) : c0;
+        const T* x_next = x + b * x_batch_stride + c_first + (g0 + first) * x_l_stride;
+        const T* d_next = dout + b * dout_batch_stride + c_first * dout_c_stride + (g0 + first) * dout_l_stride;
+        asm("" : "+l"(x_next), "+l"(d_next));  // one pair of running sources, not one a way (registers)
+        const int64 x_tile = R * x_l_stride, d_tile = R * dout_l_stride;
+        constexpr int TILE_BYTES = (int)sizeof(stage[0]);
+        char* const dst_first = reinterpret_cast<char*>(stage[0]) + (together ? piece * 16 : lane * BYTES);
+        int next = 0, next_buf = 0;
+        auto stage_next = [&]() {
+            const int i = next++;
+            char* const dst = dst_first + next_buf * TILE_BYTES;
+            next_buf = next_buf == BUFS - 1 ? 0 : next_buf + 1;
+            const T* const src = x_next;
+            const T* const d = d_next;
+            x_next += x_tile;
+            d_next += d_tile;
             if (i >= n_tiles) {
                 cp_async_commit();
                 return;
             }
-            Raw* const st = stage[i % BUFS] + lane;
-            const int64 p0 = g0 + (int64)i * R;
-            const int rows = (int)max(min(seqlen - p0, (int64)R), (int64)0);
+            const int rows = max(min(in_row - i * R, R), 0);
             if (together) {
-                const int piece = lane % PIECES, first = lane / PIECES;
-                char* const sb = reinterpret_cast<char*>(stage[i % BUFS]) + piece * 16;
-                const int64 c = strip * (32 * V) + piece * (16 / (int)sizeof(T));
-                const T* const src = x + b * x_batch_stride + c + (p0 + first) * x_l_stride;
-                const T* const d = dout + b * dout_batch_stride + c + (p0 + first) * dout_l_stride;
                 // Whole tiles in the row without checks, the last one with (zeros past the row).
                 auto copy_rows = [&](auto checked_flag) {
                     constexpr bool CHECKED = decltype(checked_flag)::value;
@@ -107,8 +119,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         const int r = first + k * ROUND;
                         const bool in = !CHECKED || r < rows;
                         if (r < R) {
-                            cp_async<16, 128>(sb + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
-                            cp_async<16, 128>(sb + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
+                            cp_async<16, 128>(dst + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
+                            cp_async<16, 128>(dst + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
                         }
                     }
                 };
@@ -117,42 +129,42 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 cp_async_commit();
                 return;
             }
-            const T* src = xb + p0 * x_l_stride;
-            const T* d = db + p0 * dout_l_stride;
+            Raw* const st = reinterpret_cast<Raw*>(dst);
             // A lane's own vector (zeros where !in): by cp.async, or (2 bytes, below its smallest
             // copy) loaded and stored.
             auto own = [&](Raw* to, const T* from, bool in) {
                 if constexpr (BYTES >= 4) cp_async<BYTES, 128>(to, from, in ? BYTES : 0);
                 else *to = in ? *reinterpret_cast<const Raw*>(from) : Raw(0);
             };
+            const T *s = src, *t = d;
             if (rows == R) {  // the whole tile in the row: no checks
                 #pragma unroll
-                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, src, true);
+                for (int r = 0; r < R; ++r, s += x_l_stride) own(st + 32 * r, s, true);
                 if (dout_aligned) {
                     #pragma unroll
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), d, true);
+                    for (int r = 0; r < R; ++r, t += dout_l_stride) own(st + 32 * (R + r), t, true);
                 }
             } else {
                 #pragma unroll 1
-                for (int r = 0; r < R; ++r, src += x_l_stride) own(st + 32 * r, r < rows ? src : xb, r < rows);
+                for (int r = 0; r < R; ++r, s += x_l_stride) own(st + 32 * r, r < rows ? s : xb, r < rows);
                 if (dout_aligned) {
                     #pragma unroll 1
-                    for (int r = 0; r < R; ++r, d += dout_l_stride) own(st + 32 * (R + r), r < rows ? d : db, r < rows);
+                    for (int r = 0; r < R; ++r, t += dout_l_stride) own(st + 32 * (R + r), r < rows ? t : db, r < rows);
                 }
             }
             if (!dout_aligned) {
                 #pragma unroll 1
-                for (int r = 0; r < R; ++r) {
+                for (int r = 0; r < R; ++r, t += dout_l_stride) {
                     VecT row;
                     #pragma unroll
-                    for (int v = 0; v < V; ++v) row.e[v] = r < rows ? db[(p0 + r) * dout_l_stride + v * dout_c_stride] : T();
+                    for (int v = 0; v < V; ++v) row.e[v] = r < rows ? t[v * dout_c_stride] : T();
                     st[32 * (R + r)] = row.raw;
                 }
             }
             cp_async_commit();
         };
         #pragma unroll
-        for (int i = 0; i < BUFS - 1; ++i) stage_tile(i);
+        for (int i = 0; i < BUFS - 1; ++i) stage_next();
 
         A w[K][V], bias_v[V] = {};
         #pragma unroll
@@ -179,16 +191,18 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             if constexpr (SEQ) ids[k] = id_at(pos);
         }
 
+        int buf = 0;  // tile i's buffer, i mod BUFS
         #pragma unroll 1
         for (int i = 0; i < n_tiles; ++i) {
             if (together) __syncwarp();  // tile i - 1's readers are done with its stage
-            stage_tile(i + BUFS - 1);
+            stage_next();  // tile i + BUFS - 1
             cp_async_wait<BUFS - 1>();  // tile i's group has landed
             if (together) __syncwarp();  // the pieces the other lanes staged have landed
-            const Raw* const st = stage[i % BUFS] + lane;
-            // K steps from r0 of the tile, compiled five times: CHECKED (the group's first K-1
-            // steps, or the positions past g1 or the row: every step checked, SiLU and the dx
-            // store run-time choices) and, for the steps inside, with the activation fixed
+            const Raw* const st = stage[buf] + lane;
+            buf = buf == BUFS - 1 ? 0 : buf + 1;
+            // K steps from r0 of the tile, compiled five times: CHECKED (the tiles holding the
+            // group's first K-1 steps or positions past g1: every step checked, SiLU and the dx
+            // store run-time choices) and, for the tiles inside, with the activation fixed
             // (SILU), so that the K V derivatives of the steps interleave, and the dx store
             // fixed (DXA: whole lane vectors; else element by element), so that the other
             // store's instructions are not issued predicated off.
@@ -275,15 +289,15 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                     }
                 }
             };
-            #pragma unroll 1
-            for (int r0 = 0; r0 < R; r0 += K) {
-                const int r = i * R + r0;
-                if (r < W || g0 + r + K > g1) steps_from(r0, Flag<true>(), Flag<false>(), Flag<false>());
-                else if (silu_act && dx_aligned) steps_from(r0, Flag<false>(), Flag<true>(), Flag<true>());
-                else if (silu_act) steps_from(r0, Flag<false>(), Flag<true>(), Flag<false>());
-                else if (dx_aligned) steps_from(r0, Flag<false>(), Flag<false>(), Flag<true>());
-                else steps_from(r0, Flag<false>(), Flag<false>(), Flag<false>());
-            }
+            auto tile = [&](auto... flags) {
+                #pragma unroll 1
+                for (int r0 = 0; r0 < R; r0 += K) steps_from(r0, flags...);
+            };
+            if (i * R < W || i * R + R > len) tile(Flag<true>(), Flag<false>(), Flag<false>());
+            else if (silu_act && dx_aligned) tile(Flag<false>(), Flag<true>(), Flag<true>());
+            else if (silu_act) tile(Flag<false>(), Flag<true>(), Flag<false>());
+            else if (dx_aligned) tile(Flag<false>(), Flag<false>(), Flag<true>());
+            else tile(Flag<false>(), Flag<false>(), Flag<false>());
         }
         if (block_sum) break;  // its one group; the block adds the sums below
         #pragma unroll
