@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         const int64 c_first = together ? strip * (32 * V) + piece * (16 / (int)sizeof(T)) : c0;
         const T* x_next = x + b * x_batch_stride + c_first + (g0 + first) * x_l_stride;
         const T* d_next = dout + b * dout_batch_stride + c_first * dout_c_stride + (g0 + first) * dout_l_stride;
-        asm("" : "+l"(x_next), "+l"(d_next));  // one pair of running sources, not one a way (registers)
+        asm("" : "+l"(x_next), "+l"(d_next));  // opaque: else NVRTC keeps a pair for each way of staging
         const int64 x_tile = R * x_l_stride, d_tile = R * dout_l_stride;
         constexpr int TILE_BYTES = (int)sizeof(stage[0]);
         char* const dst_first = reinterpret_cast<char*>(stage[0]) + (together ? piece * 16 : lane * BYTES);
