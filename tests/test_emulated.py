@@ -123,7 +123,8 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
 
 def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
     """One backward call under the emulator against the reference; returns the kernels run.
-    Feature "non_finite": inf and NaN in x and dout (``poison``)."""
+    Feature "non_finite": inf and NaN in x and dout (``poison``); "dout_cf": dout laid out
+    channel-first whatever x's layout (so that bwd_channel reads it element by element)."""
     rng = np.random.default_rng(width + 3 * len(layout) + 11 * len(features))
     wdtype = wdtype or dtype
     b, c, length = shape
@@ -135,7 +136,8 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
     s = seq_ids(rng, b, length, 3, True) if "seq_idx" in features else None
     init = "states" in features
     with emulated_gpu(arch) as run:
-        x, dout = placed(x64, dtype, layout), placed(g64, dtype, layout)
+        x = placed(x64, dtype, layout)
+        dout = placed(g64, dtype, "cf" if "dout_cf" in features else layout)
         w, bias = host(w64, NP_DTYPES[wdtype]), host(b64, NP_DTYPES[wdtype])
         i64, i = states(rng, b, c, width, dtype, layout) if init else (None, None)
         f64, f = states(rng, b, c, width, dtype, layout) if init else (None, None)
@@ -236,6 +238,7 @@ BACKWARD = {
     (SHAPE, 16, "cl_slice", "float32", None, (), 900): "bwd_channel",
     (SHORT, 4, "cl", "bfloat16", None, ("seq_idx", "states"), 900): "bwd_channel",
     (SHORT, 12, "cl_odd", "float32", None, (), 900): "bwd_channel",
+    (SHAPE, 3, "cl", "float16", None, ("dout_cf",), 900): "bwd_channel",
     (LONG, 16, "cf", "bfloat16", None, (), 900): "bwd_mma_time",
     (SHAPE, 33, "cf", "bfloat16", None, ("states",), 900): "bwd_mma_time",
     (SHAPE, 40, "cf", "bfloat16", None, ("states",), 900): "bwd_mma",
