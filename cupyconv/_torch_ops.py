@@ -395,11 +395,8 @@ def _operator_backward(
 def _eager_backward(
     ctx, x, weight, bias, dout, seq_idx, initial_states, dfinal, want_dinit, act
 ):  # fmt: skip
-    """The lean path (``_fast.py``), else the public backward."""
-    inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal)
-    made = _fast.run_torch(inputs, ("bwd", act, want_dinit), x)
-    if made is not None:
-        return made[:4]
+    """The public backward, for the eager calls ``_Eager.backward`` does not take on the lean
+    path."""
     return backward.causal_conv1d_bwd(
         x, weight, bias, dout, seq_idx, initial_states, dfinal, None, want_dinit, act
     )
@@ -457,8 +454,8 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dfinal_states=None):
-        # A training step's backward (no dinitial_states asked): the lean path in place, without
-        # _gradients' layers (1.5 us of the step on the CPU); else through them.
+        # A training step's backward (no dinitial_states asked): the lean path (``_fast.py``) in
+        # place, without _gradients' layers (1.5 us of the step on the CPU); else through them.
         x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
         need = ctx.needs_input_grad
         if dout is not None and not need[4]:
