@@ -456,11 +456,10 @@ class _Eager(torch.autograd.Function):
     def backward(ctx, dout, dfinal_states=None):
         # A training step's backward (no dinitial_states asked): the lean path (``_fast.py``) in
         # place, without _gradients' layers (1.5 us of the step on the CPU); else through them.
-        x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
         need = ctx.needs_input_grad
         if dout is not None and not need[4]:
-            inputs = (x, weight, bias, seq_idx, initial_states, dout, dfinal_states)
-            made = _fast.run_torch(inputs, ("bwd", ctx.activation, False), x)
+            inputs = (*ctx.saved_tensors, dout, dfinal_states)  # (x, weight, bias, seq_idx, init)
+            made = _fast.run_torch(inputs, ("bwd", ctx.activation, False), inputs[0])
             if made is not None:
                 dbias = made[2] if need[2] else None  # (None without a bias)
                 return made[0] if need[0] else None, made[1] if need[1] else None, dbias, *_NONES
