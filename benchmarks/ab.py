@@ -13,8 +13,9 @@ tree's process times, for each case, a device-to-device copy of x's bytes and th
 (``causal_conv1d_fn``, or ``causal_conv1d_bwd`` with a dout like x) in ``bench.interleaved``
 loops on torch's stream, and hashes the call's outputs. The table shows each tree's figure per
 round (forward: copy/time; backward: TB/s over x, dout and dx) and whether every tree's outputs
-were bitwise the same. The kernels compile in each process (CuPy's disk cache keeps those of
-sources already seen), so the first round of a tree also warms the cache.
+were bitwise the same, printed (and the JSON written) after every round. The kernels compile in
+each process (CuPy's disk cache keeps those of sources already seen), so the first round of a
+tree also warms the cache.
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ def main(argv: list[str] | None = None) -> None:
             if done.returncode:
                 sys.exit(f"tree {tree}, round {r + 1} failed:\n{done.stderr[-3000:]}")
             rows += [{**json.loads(line), "round": r + 1} for line in done.stdout.splitlines()]
-    print(table(rows, args.trees, names, args.op))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        # The table so far after every round (and the JSON rewritten): a run stopped by a time
+        # limit keeps its finished rounds.
+        print(f"after round {r + 1}:\n" + table(rows, args.trees, names, args.op), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 def table(rows: list[dict], trees: list[str], names: list[str], op: str) -> str:

@@ -470,3 +470,38 @@ def test_ab_worker_on_the_cpu(op, monkeypatch, capsys):
     case = ab.parse_case("cl-fp32-2x8x40-w4")
     assert row["value"] == (0.5 if op == "fwd" else 3 * case.x_bytes / 4.0 / 1e6)
     assert len(row["digest"]) == 12
+
+
+def test_ab_prints_and_writes_every_round(tmp_path, monkeypatch, capsys):
+    """The driver with stand-in tree processes: the table and the JSON after each round, so that
+    a run stopped by a time limit keeps its finished rounds."""
+    trees = [tmp_path / "a", tmp_path / "b"]
+    for tree in trees:
+        (tree / "cupyconv").mkdir(parents=True)
+        (tree / "kernels").mkdir()
+    values = iter([0.9, 0.8, 0.7, 0.6])
+
+    def fake_run(cmd, **kwargs):
+        line = {
+            "tree": cmd[2],
+            "case": "cl-bf16-8x5120x2048-w16",
+            "value": next(values),
+            "digest": "d",
+        }
+        return ab.subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(line) + "\n", stderr="")
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    out_json = tmp_path / "ab.json"
+    a, b = map(str, trees)
+    ab.main([a, b, "--cases", "cl-bf16-8x5120x2048-w16", "--rounds", "2", "--json", str(out_json)])
+    assert capsys.readouterr().out.splitlines() == [
+        "after round 1:",
+        f"fwd: copy/time; {a} | {b} | outputs",
+        "cl-bf16-8x5120x2048-w16: 0.900 | 0.800 | bitwise the same",
+        "after round 2:",
+        f"fwd: copy/time; {a} | {b} | outputs",
+        "cl-bf16-8x5120x2048-w16: 0.900 / 0.700 | 0.800 / 0.600 | bitwise the same",
+    ]
+    assert [(row["tree"], row["round"]) for row in json.loads(out_json.read_text())] == [
+        (a, 1), (b, 1), (a, 2), (b, 2)
+    ]  # fmt: skip
