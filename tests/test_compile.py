@@ -192,6 +192,21 @@ def test_tensor_core_rate_kernels_build_for_sm_90a():
     assert "C7515" not in log, log
 
 
+def test_channel_last_pattern_kernels_build():
+    """benchmarks/ceiling_cl.py: the copy kernels that stand for fwd_mma_cl's memory pattern
+    compile for sm_90 with CuPy's options."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ceiling_cl.py"
+    spec = importlib.util.spec_from_file_location("ceiling_cl", path)
+    ceiling_cl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling_cl)
+
+    ok, log = ceiling_cl.compile_check()
+    assert ok, log
+
+
 def test_instance_table_covers_every_width():
     instances = all_forward_instances(dtypes=("bfloat16",))
     names = {name for group in instances.values() for name in group}
