@@ -5,26 +5,28 @@ moves it, without its arithmetic, for runs of 64, 128 and 256 bytes a unit and p
 
 ``fwd_mma_cl`` takes items of 8 units (pieces of ``span`` steps of the batch rows) and one group
 of channels, and walks them in steps of 16 positions: each step's 16 x 8 runs of a group's bytes
-(64 today: 32 bfloat16 channels) come by ``cp.async`` (with the L2's 128-byte prefetch) into a
+(64 today: 32 bfloat16 channels) come by ``cp.async`` with the L2's 128-byte prefetch into a
 staging buffer, the block meets at a barrier, and the same bytes leave by 16-byte stores. Here
 every thread stores the pieces it copied, after the step's barrier; a second barrier guards
 the buffer's reuse, as the kernel's blocks of 4 warps do. A run of R bytes is R / 16 lanes'
 pieces, so an instruction covers 32 / (R / 16) units. Printed: copy/time against torch's copy
-of the same bytes in the same process, by run, warps a block, blocks an SM (extra dynamic
-shared memory stands for the rings) and span; every configuration's output is checked against
-x. What it answers: whether wider runs (64 channels a block) would lift the kernel's ceiling.
+of the same bytes in the same process, by run, L2 prefetch (128 or 256 bytes), warps a block,
+blocks an SM (extra dynamic shared memory stands for the rings) and span; every
+configuration's output is checked against x. What it answers: whether wider runs (64 channels
+a block) would lift the kernel's ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any directory
 
 SRC = r"""
-template <int RUN, int W>
+template <int RUN, int W, int PF>
 __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, char* __restrict__ out,
                                                   long long row_bytes, long long batch_bytes, int seqlen,
                                                   int span, long long pieces, long long units,
@@ -60,8 +62,13 @@ __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, ch
                 for (int j = 0; j < IPP; ++j) {
                     const bool live = t < len[j];
                     const unsigned s = (unsigned)__cvta_generic_to_shared(slot(a & 1, pos, j));
-                    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-                                 :: "r"(s), "l"(src[j] + (live ? t * row_bytes : 0)), "r"(live ? 16 : 0));
+                    const char* const from = src[j] + (live ? t * row_bytes : 0);
+                    if constexpr (PF == 256)
+                        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                                     :: "r"(s), "l"(from), "r"(live ? 16 : 0));
+                    else
+                        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+                                     :: "r"(s), "l"(from), "r"(live ? 16 : 0));
                 }
             }
             asm volatile("cp.async.commit_group;\n" ::);
@@ -85,8 +92,8 @@ __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, ch
 }
 """
 
-RUNS, WARPS = (64, 128, 256), (4, 8)
-NAMES = [f"cl_runs<{r}, {w}>" for r in RUNS for w in WARPS]
+RUNS, WARPS, PREFETCH = (64, 128, 256), (4, 8), (128, 256)
+NAMES = [f"cl_runs<{r}, {w}, {f}>" for r in RUNS for w in WARPS for f in PREFETCH]
 
 
 def compile_check() -> tuple[bool, str]:
@@ -120,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         row = dim * 2
         for run in RUNS:
             groups = -(-row // run)
-            for w in WARPS:
-                kernel = mod.get_function(f"cl_runs<{run}, {w}>")
+            for w, pf in itertools.product(WARPS, PREFETCH):
+                kernel = mod.get_function(f"cl_runs<{run}, {w}, {pf}>")
                 step_bytes = 2 * 16 * 8 * run
                 for per_sm in (2, 4, 6):
                     smem = min(227 * 1024 // per_sm - 1024, 99 * 1024)
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                         same = torch.equal(out, x)
                         t = time_fn(call, repeats=5, target_ms=20)["us_median"]
                         print(
-                            f"  run {run:3d} B  {w} warps  {per_sm} blocks/SM  span {span:4d}  "
+                            f"  run {run:3d} B  L2 prefetch {pf} B  {w} warps  {per_sm} blocks/SM  "
+                            f"span {span:4d}  "
                             f"items {items:5d}  {t:7.1f} us  copy/time {base / t:.3f}"
                             + ("" if same else "  OUTPUT DIFFERS"),
                             flush=True,
