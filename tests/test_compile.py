@@ -175,19 +175,23 @@ def test_compile_error_is_reported():
         compile_offline(SOURCES["fwd_time.cu"], ["fwd_time<int, 4, false, 8, 1>"], "compute_90")
 
 
+def benchmark_module(name: str):
+    """The module benchmarks/<name>.py, loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_tensor_core_rate_kernels_build_for_sm_90a():
     """benchmarks/mma_rate.py: its wgmma kernels need an sm_90a target, which it gives beside
     the -arch=sm_90 CuPy appends; NVRTC takes the pair, and ptxas does not serialise the wgmma
     batches (warning C7515), which would make the rate it measures a wrong ceiling."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "mma_rate.py"
-    spec = importlib.util.spec_from_file_location("mma_rate", path)
-    mma_rate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mma_rate)
-
-    ok, log = mma_rate.compile_check()
+    ok, log = benchmark_module("mma_rate").compile_check()
     assert ok, log
     assert "C7515" not in log, log
 
@@ -195,15 +199,7 @@ def test_tensor_core_rate_kernels_build_for_sm_90a():
 def test_channel_last_pattern_kernels_build():
     """benchmarks/ceiling_cl.py: the copy kernels that stand for fwd_mma_cl's memory pattern
     compile for sm_90 with CuPy's options."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ceiling_cl.py"
-    spec = importlib.util.spec_from_file_location("ceiling_cl", path)
-    ceiling_cl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ceiling_cl)
-
-    ok, log = ceiling_cl.compile_check()
+    ok, log = benchmark_module("ceiling_cl").compile_check()
     assert ok, log
 
 
