@@ -10,30 +10,29 @@ staging buffer, the block meets at a barrier, and the same bytes leave by 16-byt
 every thread stores the pieces it copied, after the step's barrier; a second barrier guards
 the buffer's reuse, as the kernel's blocks of 4 warps do. A run of R bytes is R / 16 lanes'
 pieces, so an instruction covers 32 / (R / 16) units. Printed: copy/time against torch's copy
-of the same bytes in the same process, by run, L2 prefetch (128 or 256 bytes), warps a block,
-blocks an SM (extra dynamic shared memory stands for the rings) and span; every
-configuration's output is checked against x. What it answers: whether wider runs (64 channels
-a block) would lift the kernel's ceiling.
+of the same bytes in the same process, by run, warps a block, blocks an SM (extra dynamic shared
+memory stands for the rings) and span; every configuration's output is checked against x. The
+copies are the kernels' own (``cp_async`` of kernels/ptx.cuh). What it answers: whether wider
+runs (64 channels a block) would lift the kernel's ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any directory
 
-SRC = r"""
-template <int RUN, int W, int PF>
+KERNEL = r"""
+template <int RUN, int W>
 __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, char* __restrict__ out,
                                                   long long row_bytes, long long batch_bytes, int seqlen,
                                                   int span, long long pieces, long long units,
                                                   long long groups, long long n_items) {
-    constexpr int PU = RUN / 16, UI = 32 / PU, IPP = 8 / UI, RP = 16 / W, NBUF = 2;
-    constexpr int STEP = 16 * 8 * PU;  // 16-byte pieces a step
-    extern __shared__ uint4 stage[];  // NBUF steps (and the rest of the block's shared memory)
+    constexpr int PU = RUN / 16, UI = 32 / PU, IPP = 8 / UI, RP = 16 / W;
+    constexpr int STEP = 16 * 8 * PU;  // 16-byte pieces a step (two steps staged)
+    extern __shared__ uint4 stage[];  // two steps (and the rest of the block's shared memory)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, m = lane % PU;
     const int n_steps = (span + 15) / 16;
     for (long long item = blockIdx.x; item < n_items; item += gridDim.x) {
@@ -61,23 +60,16 @@ __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, ch
                 #pragma unroll
                 for (int j = 0; j < IPP; ++j) {
                     const bool live = t < len[j];
-                    const unsigned s = (unsigned)__cvta_generic_to_shared(slot(a & 1, pos, j));
-                    const char* const from = src[j] + (live ? t * row_bytes : 0);
-                    if constexpr (PF == 256)
-                        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-                                     :: "r"(s), "l"(from), "r"(live ? 16 : 0));
-                    else
-                        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-                                     :: "r"(s), "l"(from), "r"(live ? 16 : 0));
+                    cp_async<16, 128>(slot(a & 1, pos, j), src[j] + (live ? t * row_bytes : 0), live ? 16 : 0);
                 }
             }
-            asm volatile("cp.async.commit_group;\n" ::);
+            cp_async_commit();
         };
         copy(0);
         for (int a = 0; a < n_steps; ++a) {
             if (a + 1 < n_steps) copy(a + 1);
-            else asm volatile("cp.async.commit_group;\n" ::);
-            asm volatile("cp.async.wait_group 1;\n" ::);
+            else cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();
             #pragma unroll
             for (int r = 0; r < RP; ++r) {
@@ -92,8 +84,15 @@ __global__ void __launch_bounds__(32 * W) cl_runs(const char* __restrict__ x, ch
 }
 """
 
-RUNS, WARPS, PREFETCH = (64, 128, 256), (4, 8), (128, 256)
-NAMES = [f"cl_runs<{r}, {w}, {f}>" for r in RUNS for w in WARPS for f in PREFETCH]
+RUNS, WARPS = (64, 128, 256), (4, 8)
+NAMES = [f"cl_runs<{r}, {w}>" for r in RUNS for w in WARPS]
+
+
+def source() -> str:
+    """The program: the kernels' own cp.async helpers (kernels/ptx.cuh), then the copy kernel."""
+    from cupyconv._compile import Source
+
+    return Source("ptx.cuh", "").text + KERNEL
 
 
 def compile_check() -> tuple[bool, str]:
@@ -102,7 +101,7 @@ def compile_check() -> tuple[bool, str]:
     from cupyconv._compile import nvrtc_compile
 
     try:
-        return True, nvrtc_compile(SRC, "ceiling_cl.cu", NAMES, "sm_90")[1]
+        return True, nvrtc_compile(source(), "ceiling_cl.cu", NAMES, "sm_90")[1]
     except RuntimeError as error:
         return False, str(error)
 
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the (8, 5120, 2048) shape alone")
     args = parser.parse_args(argv)
-    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=NAMES)
+    mod = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=NAMES)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     shapes = [(8, 5120, 2048)] + ([] if args.quick else [(1, 4096, 16384), (64, 1024, 512)])
     for batch, dim, seqlen in shapes:
@@ -127,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         row = dim * 2
         for run in RUNS:
             groups = -(-row // run)
-            for w, pf in itertools.product(WARPS, PREFETCH):
-                kernel = mod.get_function(f"cl_runs<{run}, {w}, {pf}>")
+            for w in WARPS:
+                kernel = mod.get_function(f"cl_runs<{run}, {w}>")
                 step_bytes = 2 * 16 * 8 * run
                 for per_sm in (2, 4, 6):
                     smem = min(227 * 1024 // per_sm - 1024, 99 * 1024)
@@ -157,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                         same = torch.equal(out, x)
                         t = time_fn(call, repeats=5, target_ms=20)["us_median"]
                         print(
-                            f"  run {run:3d} B  L2 prefetch {pf} B  {w} warps  {per_sm} blocks/SM  "
-                            f"span {span:4d}  "
+                            f"  run {run:3d} B  {w} warps  {per_sm} blocks/SM  span {span:4d}  "
                             f"items {items:5d}  {t:7.1f} us  copy/time {base / t:.3f}"
                             + ("" if same else "  OUTPUT DIFFERS"),
                             flush=True,
