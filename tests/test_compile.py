@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,9 @@ from cupyconv._compile import C_TYPES, compile_offline
 from cupyconv._forward_plan import all_forward_instances
 from cupyconv._update_plan import all_update_instances
 from cupyconv._varlen_plan import all_varlen_instances
+
+# benchmarks/ on the path: the compile checks of mma_rate.py and ceiling_cl.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 SOURCES = {
     **_forward_plan.SOURCES, **_backward_plan.SOURCES, **_update_plan.SOURCES,
@@ -175,23 +180,13 @@ def test_compile_error_is_reported():
         compile_offline(SOURCES["fwd_time.cu"], ["fwd_time<int, 4, false, 8, 1>"], "compute_90")
 
 
-def benchmark_module(name: str):
-    """The module benchmarks/<name>.py, loaded from its file."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tensor_core_rate_kernels_build_for_sm_90a():
     """benchmarks/mma_rate.py: its wgmma kernels need an sm_90a target, which it gives beside
     the -arch=sm_90 CuPy appends; NVRTC takes the pair, and ptxas does not serialise the wgmma
     batches (warning C7515), which would make the rate it measures a wrong ceiling."""
-    ok, log = benchmark_module("mma_rate").compile_check()
+    import mma_rate
+
+    ok, log = mma_rate.compile_check()
     assert ok, log
     assert "C7515" not in log, log
 
@@ -199,7 +194,9 @@ def test_tensor_core_rate_kernels_build_for_sm_90a():
 def test_channel_last_pattern_kernels_build():
     """benchmarks/ceiling_cl.py: the copy kernels that stand for fwd_mma_cl's memory pattern
     compile for sm_90 with CuPy's options."""
-    ok, log = benchmark_module("ceiling_cl").compile_check()
+    import ceiling_cl
+
+    ok, log = ceiling_cl.compile_check()
     assert ok, log
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "ncu_summary.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import ncu_summary  # noqa: E402 (after the path set-up above)
 
 TABLE = """==PROF== Connected to process 1
 some program output
@@ -20,15 +22,7 @@ some program output
 """  # noqa: E501
 
 
-@pytest.fixture
-def ncu_summary():
-    spec = importlib.util.spec_from_file_location("ncu_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_summary_of_a_table(ncu_summary, tmp_path, capsys):
+def test_summary_of_a_table(tmp_path, capsys):
     path = tmp_path / "profile.csv"
     path.write_text(TABLE)
     ncu_summary.main([str(path), "--top", "2"])
@@ -42,7 +36,7 @@ def test_summary_of_a_table(ncu_summary, tmp_path, capsys):
     assert "FFMA" in top[1] and top[1].rstrip().endswith("wait 30")
 
 
-def test_a_file_without_a_table_is_refused(ncu_summary, tmp_path):
+def test_a_file_without_a_table_is_refused(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("no profile here\n")
     with pytest.raises(ValueError, match="no ncu source table"):
