@@ -31,7 +31,7 @@ from cupyconv._forward_plan import all_forward_instances
 from cupyconv._update_plan import all_update_instances
 from cupyconv._varlen_plan import all_varlen_instances
 
-# benchmarks/ on the path: the compile checks of mma_rate.py and ceiling_cl.py
+# benchmarks/ on the path: the compile checks of mma_rate.py, ceiling_cl.py and tf32_cl.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 SOURCES = {
@@ -197,6 +197,15 @@ def test_channel_last_pattern_kernels_build():
     import ceiling_cl
 
     ok, log = ceiling_cl.compile_check()
+    assert ok, log
+
+
+def test_tf32_channel_last_kernels_build():
+    """benchmarks/tf32_cl.py: the TF32 channel-last forward (float32 and bfloat16 x) and the
+    TF32 MMA rate kernels compile for sm_90 with CuPy's options."""
+    import tf32_cl
+
+    ok, log = tf32_cl.compile_check()
     assert ok, log
 
 

@@ -1,0 +1,332 @@
+"""The channel-last forward on tensor cores in TF32, measured alone: whether m16n8k8 TF32 MMAs,
+whose operands are one 32-bit element a register, serve channel-contiguous x without the
+transposes that 16-bit operand pairs need.
+
+    python benchmarks/tf32_cl.py [--quick]
+
+A block takes 64 bytes of channels (16 float32 or 32 bfloat16) of one batch row and a piece of
+``span`` positions, and walks it in steps of TT outputs. Each step's window (the 16 KB positions
+before it, KB = ceil((K - 1) / 16), and its TT) comes by 4-byte ``cp.async`` (16 consecutive
+lanes read a position's 64 bytes) into a staging buffer laid out so that the MMAs' reads meet 32
+banks: position i, word q (a float32 channel or a pair of 16-bit ones) at (i / 16) BS + 17 q + i
+% 16, BS = 292 (= 4 mod 32). Each warp takes its channels one after another: 8 segments of 16
+outputs are the MMA's 8 columns, B[k][n] = x[16 n + 8 s + k] of the window, A the channel's
+Toeplitz band (tap 8 s + k - m - OFF) from a table of the taps. float32 x and taps split into
+TF32 high parts (the top 19 bits) and the rest, three products a k-step (high high, high low, low
+high), which keeps float32's accuracy; bfloat16 x and taps are exact in TF32: one product.
+Outputs (bias, SiLU) go through shared memory (rows rotated by bits of the position so that both
+the fragment writes and the row reads meet 32 banks) to coalesced stores.
+
+Printed: the MMA rate of m16n8k8 TF32 chains; each instance's largest error against float64 on
+small shapes; then, by dtype and width, the copy of x's bytes, cupyconv's forward and this kernel
+(copy/time) on (8, 5120, 2048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any directory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's cupyconv
+
+KERNEL = r"""
+__device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned tf32_high(float v) { return __float_as_uint(v) & 0xffffe000u; }
+
+// CHAINS independent accumulators a warp, N MMAs each.
+template <int CHAINS>
+__global__ void tf32_rate(float* out, int n) {
+    float acc[CHAINS][4] = {};
+    const unsigned a = threadIdx.x * 0x3f800001u, b = threadIdx.x ^ 0x3c000000u;
+    for (int i = 0; i < n; ++i) {
+        #pragma unroll
+        for (int c = 0; c < CHAINS; ++c) mma_tf32(acc[c], a, a + c, a ^ c, a, b, b + c);
+    }
+    float s = 0.f;
+    #pragma unroll
+    for (int c = 0; c < CHAINS; ++c) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+    if (s == 1.2345f) out[threadIdx.x] = s;
+}
+
+// The output tile's rotation of position p's row (CH words): both the fragment writes (lanes
+// (g, tg): positions 32 tg + g + 8 h + 16 j, one channel) and the row reads meet 32 banks.
+template <int CH>
+__device__ __forceinline__ int rotation(int p) {
+    if constexpr (CH == 16) return ((p >> 1) & 3) | (((p >> 5) & 3) << 2);
+    else return (p & 7) | (((p >> 5) & 3) << 3);
+}
+
+// T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
+// taps: one (both exact in TF32). A staged word is one float32 channel or two 16-bit ones.
+template <typename T, int K, int TT, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+    tf32_cl(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
+            T* __restrict__ out, int seqlen, int dim, int span, int silu) {
+    constexpr bool SPLIT = sizeof(T) == 4;
+    constexpr int CH = 64 / sizeof(T), PER = 4 / sizeof(T);  // channels a block, a word
+    constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = 2 * KB + 2;
+    constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 292, TW = 8 * KS + 16;
+    constexpr int STAGE = NBLK * BS;
+    static_assert(TT % 128 == 0 && CH % WARPS == 0, "tiles");
+    extern __shared__ __align__(16) float sm[];
+    float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
+    unsigned* const stage = reinterpret_cast<unsigned*>(sm + 2 * CH * TW);  // [2][STAGE] words
+    float* const outs = sm + 2 * CH * TW + 2 * STAGE;  // [TT][CH], rows rotated
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const int groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
+    const int item = blockIdx.x, grp = item % groups, piece = item / groups % pieces;
+    const int b = item / groups / pieces;
+    const int c0 = grp * CH, t_begin = piece * span, t_end = min(seqlen, t_begin + span);
+    const int n_steps = (t_end - t_begin + TT - 1) / TT;
+    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
+        const int c = e / TW, j = e % TW - 15 - OFF;
+        const bool in = c0 + c < dim && j >= 0 && j < K;
+        const float v = in ? (float)w[(long long)(c0 + c) * K + j] : 0.f;
+        const float h = __uint_as_float(tf32_high(v));
+        taps[e] = make_float2(SPLIT ? h : v, SPLIT ? v - h : 0.f);
+    }
+    const T* const xb = x + (long long)b * seqlen * dim + c0;
+    T* const ob = out + (long long)b * seqlen * dim + c0;
+    auto copy = [&](int step) {
+        unsigned* const st = stage + (step & 1) * STAGE;
+        const int ws = t_begin + step * TT - 16 * KB;
+        #pragma unroll 4
+        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
+            const int p = e >> 4, q = e & 15, t = ws + p;
+            const bool live = t >= 0 && t < seqlen && c0 + PER * q < dim;
+            cp_async<4, 128>(st + (p >> 4) * BS + 17 * q + (p & 15),
+                             live ? xb + (long long)t * dim + PER * q : x, live ? 4 : 0);
+        }
+        cp_async_commit();
+    };
+    copy(0);
+    for (int step = 0; step < n_steps; ++step) {
+        if (step + 1 < n_steps) copy(step + 1);
+        else cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const unsigned* const st = stage + (step & 1) * STAGE;
+        #pragma unroll 1
+        for (int ci = 0; ci < CH / WARPS; ++ci) {
+            const int c = warp * (CH / WARPS) + ci;
+            const float2* const tp = taps + c * TW + tg - g + 15;
+            const unsigned* const xs = st + 17 * (c / PER) + tg;
+            const bool odd = c % PER;  // (16-bit x: the word's high half)
+            auto value = [&](unsigned word) {
+                return SPLIT ? word : odd ? word & 0xffff0000u : word << 16;
+            };
+            float acc[NT][4] = {};
+            #pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const float2 w0 = tp[8 * s], w1 = tp[8 * s - 8], w2 = tp[8 * s + 4],
+                             w3 = tp[8 * s - 4];
+                const unsigned h0 = __float_as_uint(w0.x), h1 = __float_as_uint(w1.x),
+                               h2 = __float_as_uint(w2.x), h3 = __float_as_uint(w3.x);
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const unsigned* const src = xs + (8 * nt + g + (s >> 1)) * BS + 8 * (s & 1);
+                    const unsigned v0 = value(src[0]), v1 = value(src[4]);
+                    if constexpr (SPLIT) {
+                        const unsigned l0 = __float_as_uint(w0.y), l1 = __float_as_uint(w1.y),
+                                       l2 = __float_as_uint(w2.y), l3 = __float_as_uint(w3.y);
+                        const unsigned bh0 = v0 & 0xffffe000u, bh1 = v1 & 0xffffe000u;
+                        const float r0 = __uint_as_float(v0) - __uint_as_float(bh0),
+                                    r1 = __uint_as_float(v1) - __uint_as_float(bh1);
+                        const unsigned bl0 = __float_as_uint(r0), bl1 = __float_as_uint(r1);
+                        mma_tf32(acc[nt], h0, h1, h2, h3, bh0, bh1);
+                        mma_tf32(acc[nt], h0, h1, h2, h3, bl0, bl1);
+                        mma_tf32(acc[nt], l0, l1, l2, l3, bh0, bh1);
+                    } else {
+                        mma_tf32(acc[nt], h0, h1, h2, h3, v0, v1);
+                    }
+                }
+            }
+            const float bv = bias && c0 + c < dim ? (float)bias[c0 + c] : 0.f;
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                #pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
+                    float v = acc[nt][r] + bv;
+                    if (silu) v = v / (1.f + __expf(-v));
+                    outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
+                }
+            }
+        }
+        __syncthreads();
+        const int t0 = t_begin + step * TT;
+        #pragma unroll 4
+        for (int e = tid; e < TT * CH; e += 32 * WARPS) {
+            const int p = e / CH, c = e % CH, t = t0 + p;
+            if (t < t_end && c0 + c < dim)
+                ob[(long long)t * dim + c] = (T)outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
+        }
+    }
+}
+"""
+
+WIDTHS = (16, 31, 64, 128, 256)
+CONFIGS = ((128, 8), (256, 8), (128, 16), (256, 16))  # (TT, WARPS)
+TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
+NAMES = [
+    f"tf32_cl<{t}, {k}, {tt}, {w}>" for t in TYPES.values() for k in WIDTHS for tt, w in CONFIGS
+] + [f"tf32_rate<{c}>" for c in (4, 8)]
+
+
+def smem_bytes(width: int, tt: int, itemsize: int) -> int:
+    """The kernel's shared memory: tap table, two stages, the output tile."""
+    kb = -(-(width - 1) // 16)
+    ch = 64 // itemsize
+    return ch * (8 * (2 * kb + 2) + 16) * 8 + 2 * (kb + tt // 16) * 292 * 4 + tt * ch * 4
+
+
+def source() -> str:
+    """The program: the kernels' own cp.async helpers (kernels/ptx.cuh), then these kernels."""
+    from cupyconv._compile import Source
+
+    return "#include <cuda_bf16.h>\n" + Source("ptx.cuh", "").text + KERNEL
+
+
+def compile_check() -> tuple[bool, str]:
+    """(whether NVRTC compiled every instance for sm_90, its log), with CuPy's options (no GPU
+    needed)."""
+    from cupyconv._compile import nvrtc_compile
+
+    try:
+        return True, nvrtc_compile(source(), "tf32_cl.cu", NAMES, "sm_90")[1]
+    except RuntimeError as error:
+        return False, str(error)
+
+
+def reference(x, w, bias, silu):
+    """float64 causal depthwise convolution of channel-last x (batch, seqlen, dim)."""
+    import numpy as np
+
+    k = w.shape[1]
+    pad = np.concatenate([np.zeros((x.shape[0], k - 1, x.shape[2])), x], axis=1)
+    out = np.zeros_like(x) + bias
+    for j in range(k):
+        out += w[:, j] * pad[:, j : j + x.shape[1], :]
+    return out / (1 + np.exp(-out)) if silu else out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import cupy as cp
+    import numpy as np
+    import torch
+    from bench import copy_provider, event_loop, interleaved, time_fn
+
+    import cupyconv
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the (8, 5120, 2048) shape alone")
+    args = parser.parse_args(argv)
+    mod = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=NAMES)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    sink = cp.zeros(1024, dtype=cp.float32)
+    for chains in (4, 8):
+        f = mod.get_function(f"tf32_rate<{chains}>")
+        n = 4096
+        for warps_sm in (8, 16, 32):
+            grid, args_ = (sms * warps_sm // 4,), (sink, cp.int32(n))
+            t = time_fn(lambda f=f, grid=grid, a=args_: f(grid, (128,), a), repeats=3, target_ms=10)
+            rate = sms * warps_sm * n * chains * 2 * 16 * 8 * 8 / t["us_median"] / 1e6
+            print(
+                f"tf32 m16n8k8: {chains} chains a warp, {warps_sm} warps an SM: {rate:.0f} TFLOP/s"
+            )
+
+    def run_kernel(dtype, width, tt, warps, x, w, bias, out, span):
+        batch, seqlen, dim = x.shape
+        f = mod.get_function(f"tf32_cl<{TYPES[dtype]}, {width}, {tt}, {warps}>")
+        smem = smem_bytes(width, tt, x.element_size())
+        f.max_dynamic_shared_size_bytes = smem
+        items = batch * -(-dim // (64 // x.element_size())) * -(-seqlen // span)
+        xa, wa, ba, oa = (cp.from_dlpack(t) for t in (x, w, bias, out))
+        a = (xa, wa, ba, oa, cp.int32(seqlen), cp.int32(dim), cp.int32(span), cp.int32(1))
+        return lambda: f((items,), (32 * warps,), a, shared_mem=smem)
+
+    # Correctness on small shapes (rows and channels not multiples of the tiles) against float64.
+    rng = np.random.default_rng(0)
+    for dtype, (rtol, atol) in (("float32", (3e-4, 1e-3)), ("bfloat16", (1e-2, 5e-2))):
+        tdt = getattr(torch, dtype)
+        for width in WIDTHS:
+            for shape in ((2, 600, 40), (1, 1000, 24), (1, 200, 38)):  # (16-bit rows: even)
+                x, w, bias = (
+                    torch.tensor(a, device="cuda").to(tdt)
+                    for a in (
+                        rng.standard_normal(shape),
+                        rng.standard_normal((shape[2], width)) / np.sqrt(width),
+                        rng.standard_normal(shape[2]),
+                    )
+                )
+                want = reference(*(a.cpu().double().numpy() for a in (x, w, bias)), True)
+                for tt, warps in CONFIGS:
+                    out = torch.full_like(x, float("nan"))
+                    run_kernel(dtype, width, tt, warps, x, w, bias, out, 512)()
+                    err = np.abs(out.cpu().double().numpy() - want)
+                    bad = ~(err <= atol + rtol * np.abs(want))
+                    print(
+                        f"check {dtype} w{width} {shape} TT {tt} warps {warps}: "
+                        f"max err {np.nanmax(err):.2e}"
+                        + (f"  FAILS at {int(bad.sum())} elements" if bad.any() else ""),
+                        flush=True,
+                    )
+
+    shapes = [(8, 5120, 2048)] + ([] if args.quick else [(1, 4096, 16384)])
+    for dtype in TYPES:
+        tdt = getattr(torch, dtype)
+        for batch, dim, seqlen in shapes:
+            x = torch.randn(batch, seqlen, dim, device="cuda", dtype=tdt)
+            for width in WIDTHS:
+                w = (torch.randn(dim, width, device="cuda") / width**0.5).to(tdt)
+                bias = torch.randn(dim, device="cuda").to(tdt)
+                xt = x.transpose(1, 2)  # (batch, dim, seqlen), channel-last strides
+                ours = cupyconv.causal_conv1d_fn(xt, w, bias, activation="silu")
+                loops = {"copy": event_loop(copy_provider(x)[0], target_ms=10)}
+                loops["cupyconv"] = event_loop(
+                    functools.partial(cupyconv.causal_conv1d_fn, xt, w, bias, activation="silu"),
+                    target_ms=10,
+                )
+                outs = {}
+                for tt, warps in CONFIGS:
+                    for span in (1024, 2048):
+                        if span > seqlen or smem_bytes(width, tt, x.element_size()) > 227 * 1024:
+                            continue
+                        out = torch.empty_like(x)
+                        call = run_kernel(dtype, width, tt, warps, x, w, bias, out, span)
+                        call()
+                        outs[(tt, warps, span)] = out
+                        loops[f"TT {tt} warps {warps} span {span}"] = event_loop(call, target_ms=10)
+                times = interleaved(loops, 3)
+                copy = times["copy"]["us_median"]
+                print(
+                    f"({batch}, {dim}, {seqlen}) {dtype} channel-last w{width}: copy {copy:.1f} us"
+                )
+                ref = ours.transpose(1, 2).float()
+                for name, t in times.items():
+                    if name == "copy":
+                        continue
+                    us = t["us_median"]
+                    line = f"  {name:28s} {us:8.1f} us  copy/time {copy / us:.3f}"
+                    key = (
+                        tuple(int(v) for v in name.split()[1::2]) if name.startswith("TT") else None
+                    )
+                    if key:
+                        diff = (outs[key].float() - ref).abs().max().item()
+                        smem = smem_bytes(width, key[0], x.element_size()) + 1024
+                        line += f"  max diff to cupyconv {diff:.1e}  {227 * 1024 // smem} blocks/SM"
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
