@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         const int r = first + k * ROUND;
                         const bool in = !CHECKED || r < rows;
                         if (r < R) {
-                            cp_async<16, 128>(dst + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
-                            cp_async<16, 128>(dst + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
+                            cp_async<16, 256>(dst + r * 32 * BYTES, in ? s : x, in ? 16 : 0);
+                            cp_async<16, 256>(dst + (R + r) * 32 * BYTES, in ? t : dout, in ? 16 : 0);
                         }
                     }
                 };
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             // A lane's own vector (zeros where !in): by cp.async, or (2 bytes, below its smallest
             // copy) loaded and stored.
             auto own = [&](Raw* to, const T* from, bool in) {
-                if constexpr (BYTES >= 4) cp_async<BYTES, 128>(to, from, in ? BYTES : 0);
+                if constexpr (BYTES >= 4) cp_async<BYTES, 256>(to, from, in ? BYTES : 0);
                 else *to = in ? *reinterpret_cast<const Raw*>(from) : Raw(0);
             };
             const T *s = src, *t = d;

@@ -35,19 +35,23 @@ __device__ __forceinline__ void st_global8(void* at, unsigned lo, unsigned hi, b
 // Staging through shared memory with cp.async (sm_80 and newer): the copy does not pass through
 // registers, so a warp keeps several pieces of x in flight while it computes an earlier one.
 // Copies the first `bytes` (0..BYTES) of the BYTES at src into dst and zero-fills the rest;
-// both addresses BYTES-aligned. PREFETCH (0 or 128): whether a miss in L2 brings in the whole
-// 128-byte line around src, not just the sectors read. Taken where it measured level or better
-// (benchmarks/NOTES.md, "cp.async's L2 prefetch"): most of all by fwd_mma_cl, whose blocks read
-// 64-byte runs of a position's channels that neighbouring blocks complete soon after (the line
-// then comes from DRAM once, in one burst), not by bwd_mma's channel-last form (15 % slower).
+// both addresses BYTES-aligned. PREFETCH (0, 128 or 256): whether a miss in L2 brings in the
+// whole 128- or 256-byte block around src, not just the sectors read. Taken where it measured
+// level or better (benchmarks/NOTES.md, "cp.async's L2 prefetch"): most of all by fwd_mma_cl,
+// whose blocks read 64-byte runs of a position's channels that neighbouring blocks complete soon
+// after (the line then comes from DRAM once, in one burst), not by bwd_mma's channel-last form
+// (15 % slower); 256 by bwd_channel, whose warps' 128-byte rows the next warp's complete
+// ("bwd_channel's deeper staging, measured").
 template <int BYTES, int PREFETCH = 0>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
-    static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
+    static_assert(PREFETCH == 0 || PREFETCH == 128 || PREFETCH == 256, "cp_async: PREFETCH is 0, 128 or 256");
     // .cg (L2 only) takes 16-byte copies, .ca the others.
 #define CP_ASYNC(LEVEL, HINT)                                                                      \
     asm volatile("cp.async." LEVEL ".shared.global" HINT " [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)), \
                  "l"(src), "n"(BYTES), "r"(bytes) : "memory")
-    if constexpr (BYTES == 16 && PREFETCH) CP_ASYNC("cg", ".L2::128B");
+    if constexpr (BYTES == 16 && PREFETCH == 256) CP_ASYNC("cg", ".L2::256B");
+    else if constexpr (BYTES == 16 && PREFETCH) CP_ASYNC("cg", ".L2::128B");
+    else if constexpr (PREFETCH == 256) CP_ASYNC("ca", ".L2::256B");
     else if constexpr (BYTES == 16) CP_ASYNC("cg", "");
     else if constexpr (PREFETCH) CP_ASYNC("ca", ".L2::128B");
     else CP_ASYNC("ca", "");

@@ -32,7 +32,7 @@ inline void cpc_copy(unsigned char* dst, const void* src, int bytes, int size) {
 }
 template <int BYTES, int PREFETCH = 0>
 inline void cp_async(void* dst, const void* src, int bytes) {
-    static_assert(PREFETCH == 0 || PREFETCH == 128, "cp_async: PREFETCH is 0 or 128");
+    static_assert(PREFETCH == 0 || PREFETCH == 128 || PREFETCH == 256, "cp_async: PREFETCH is 0, 128 or 256");
     cpc_copy(static_cast<unsigned char*>(dst), src, bytes, BYTES);
 }
 inline void cp_async_shared16(unsigned dst, const void* src) { cpc_copy(cpc::shared_pointer(dst), src, 16, 16); }
