@@ -136,11 +136,11 @@ TIME_LONG_CHUNK = (8, 1, 1)
 TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # bwd_channel: (time steps per tile, rounded up to a multiple of the width; bytes of a lane's
 # channel vector, one element from CHANNEL_LANE_FROM; tiles staged a warp, two where more would
-# leave a block fewer than 4 warps) by itemsize. 16-bit x: two tiles of 16 steps (one in
-# flight), 1.0-1.4 % faster than three of 8 at width 4 and 2-4 % at width 8 on H100s since c23afff
-# (on the H200 before it, three of 8 were 1-5 % faster: benchmarks/NOTES.md, "bwd_channel's
-# staging depth", "bwd_channel's deeper staging, measured"); more tiles in flight were slower.
-CHANNEL_TILE = {2: (16, 4, 2), 4: (16, 8, 2), 8: (8, 16, 2)}
+# leave a block fewer than 4 warps) by itemsize. 16-bit x: three tiles of 8 steps (two in
+# flight): on the H200 0-3 % faster than two of 16 at width 4 and 6 % at width 5 (on H100s two of
+# 16 are 1-1.4 % faster); more tiles in flight were slower (benchmarks/NOTES.md, "bwd_channel's
+# staging depth", "bwd_channel's deeper staging, measured").
+CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
 # the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds

@@ -18,7 +18,6 @@ from cupyconv import _arrays, _backward_plan, _launch, backward
 from cupyconv._backward_plan import CHANNEL_SMEM, all_backward_instances
 
 KERNELS = {k.template: k for k in _backward_plan.KERNELS}
-STEPS = _backward_plan._channel_tile("float16", 4)[0]  # bwd_channel's tile at width 4, 16-bit x
 POINTERS = 13
 
 
@@ -267,29 +266,29 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
 @pytest.mark.parametrize(
     "shape,tiles",
     [
-        ((8, 5120, 2048), 32),  # 640 rows (batch rows x strips of 64 channels) of 128 tiles
-        ((1, 4096, 16384), 32),  # 64 rows: 32 groups a row make the 2048
-        ((4, 1536, 4096), 12),  # 96 rows: 22 groups a row (2112)
-        ((64, 1024, 512), 16),  # 1024 rows: 2 groups a row
-        ((8, 5120, 2400), 38),  # 150 tiles a row: 4 groups of 38 (5 would be more than a wave)
-        ((8, 5120, 2304), 36),  # 144 tiles a row: 4 groups of 36 (not 5 of up to 29)
-        ((8, 5120, 2600), 28),  # 163 tiles: 4 groups would pass CHANNEL_LONG_STEPS; 6 of 28
-        ((24, 4000, 512), 32),  # 1512 rows: 2 groups a row would be more than a wave
-        ((512, 1024, 512), 32),  # 8192 rows: more than a wave with one group a row
-        ((2, 256, 512), 1),  # 8 rows: groups of CHANNEL_MIN_STEPS steps
+        ((8, 5120, 2048), 64),  # 640 rows (batch rows x strips of 64 channels) of 256 tiles
+        ((1, 4096, 16384), 64),  # 64 rows: 32 groups a row make the 2048
+        ((4, 1536, 4096), 24),  # 96 rows: 22 groups a row (2112)
+        ((64, 1024, 512), 32),  # 1024 rows: 2 groups a row
+        ((8, 5120, 2400), 75),  # 300 tiles a row: 4 groups of 75 (5 would be more than a wave)
+        ((8, 5120, 2304), 72),  # 288 tiles a row: 4 groups of 72 (not 5 of up to 58)
+        ((8, 5120, 2600), 55),  # 325 tiles: 4 groups would pass CHANNEL_LONG_STEPS; 6 of 55
+        ((24, 4000, 512), 64),  # 1512 rows: 2 groups a row would be more than a wave
+        ((512, 1024, 512), 64),  # 8192 rows: more than a wave with one group a row
+        ((2, 256, 512), 2),  # 8 rows: groups of CHANNEL_MIN_STEPS steps
     ],
 )
 def test_channel_groups(launches, monkeypatch, shape, tiles):
-    """bwd_channel's groups (16-step tiles of 16-bit x at width 4, strips of 64 channels; here
-    132 SMs x 5 blocks of 4 warps): the fewest a row that make CHANNEL_MIN_GROUPS in all within
-    one wave of the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS
-    steps, longer where groups that short would take more than one wave."""
+    """bwd_channel's groups (8-step tiles of 16-bit x, strips of 64 channels; here 132 SMs x 5
+    blocks of 4 warps): the fewest a row that make CHANNEL_MIN_GROUPS in all within one wave of
+    the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS steps, longer
+    where groups that short would take more than one wave."""
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
     batch, dim, seqlen = shape
     call(cl(batch, dim, seqlen, dtype=np.float16))
     name, plan, params = launches["launches"][0]
     assert name == "bwd_channel" and params["group_tiles"] == tiles
-    groups = -(-seqlen // (STEPS * tiles))
+    groups = -(-seqlen // (8 * tiles))
     assert params["group_divisor"] == _launch.fast_divisor(groups)
     assert plan.grid * 4 >= batch * -(-dim // 64) * groups
 
@@ -297,9 +296,9 @@ def test_channel_groups(launches, monkeypatch, shape, tiles):
 @pytest.mark.parametrize(
     "shape,tiles",
     [
-        ((1, 256, 512), 8),  # 32 tiles a row: 4 groups of 128 steps, one a warp of the block
-        ((2, 40, 50), 2),  # 4 tiles a row: 2 groups a row of 2 tiles, 2 batch rows
-        ((3, 1024, 128), 8),  # one group a row
+        ((1, 256, 512), 16),  # 64 tiles a row: 4 groups of 128 steps, one a warp of the block
+        ((2, 40, 50), 4),  # 7 tiles a row: 2 groups a row of 4 tiles, 2 batch rows
+        ((3, 1024, 128), 16),  # one group a row
         ((2, 256, 512), 0),  # groups of 256 steps: longer than CHANNEL_BLOCK_STEPS
         ((5, 64, 64), 0),  # more batch rows than a block's 4 warps
         ((1, 64, 16), 0),  # one group: one part already
@@ -315,12 +314,12 @@ def test_channel_block_sums(launches, monkeypatch, shape, tiles):
     name, plan, params = launches["launches"][0]
     assert name == "bwd_channel" and params["block_sum"] == (tiles > 0)
     if tiles:
-        groups = -(-seqlen // (STEPS * tiles))
+        groups = -(-seqlen // (8 * tiles))
         assert params["group_tiles"] == tiles and batch * groups <= 4
         assert plan.grid == -(-dim // 64) and params["n_parts"] == 1
         assert names(launches) == ["bwd_channel"] and params["pointers"][11] == 0  # partials
     else:
-        assert params["group_tiles"] * STEPS <= _backward_plan.CHANNEL_STEPS
+        assert params["group_tiles"] * 8 <= _backward_plan.CHANNEL_STEPS
 
 
 def test_fields_match_the_structs():

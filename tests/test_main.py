@@ -240,13 +240,12 @@ def offline_names(*args: str) -> list[str]:
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --batch 8 --layout cl --ops bwd --states --seq-idx", [
-                f"bwd_channel<{T}, 4, true, 16, 4, 2, 4>", f"bwd_reduce<{T}, 1>",
-                f"bwd_states<{T}>",
+                f"bwd_channel<{T}, 4, true, 8, 4, 3, 4>", f"bwd_reduce<{T}, 1>", f"bwd_states<{T}>",
             ], id="cl-bwd-states-seq-idx",
         ),
         pytest.param(
             "--dim 256 --seqlen 64 --layout cl --ops bwd",
-            [f"bwd_channel<{T}, 4, false, 16, 4, 2, 4>"],
+            [f"bwd_channel<{T}, 4, false, 8, 4, 3, 4>"],
             id="cl-bwd-block-sums",  # one batch row: a block a strip adds dweight, no bwd_reduce
         ),
         pytest.param(
