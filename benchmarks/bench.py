@@ -60,6 +60,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The result records and their JSON file are the main command's (``python -m cupyconv bench``).
 from cupyconv._cli.bench import spread, with_copy_ratios, write_json  # noqa: E402
 
+
+def nvrtc_check(text: str, file: str, names, arch: str = "sm_90", extra=()) -> tuple[bool, str]:
+    """(whether NVRTC compiled the instances ``names`` of the program ``text`` for ``arch`` with
+    CuPy's options and ``extra``, its log): the compile check of a stand-alone benchmark kernel
+    (no GPU needed)."""
+    from cupyconv._compile import nvrtc_compile
+
+    try:
+        return True, nvrtc_compile(text, file, names, arch, extra)[1]
+    except RuntimeError as error:
+        return False, str(error)
+
+
 #: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
 #: check takes a spread of channels instead of all of them.
 CHECK_BUDGET = 1 << 27

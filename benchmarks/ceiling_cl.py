@@ -98,12 +98,9 @@ def source() -> str:
 def compile_check() -> tuple[bool, str]:
     """(whether NVRTC compiled every instance for sm_90, its log), with CuPy's options (no GPU
     needed)."""
-    from cupyconv._compile import nvrtc_compile
+    import bench
 
-    try:
-        return True, nvrtc_compile(source(), "ceiling_cl.cu", NAMES, "sm_90")[1]
-    except RuntimeError as error:
-        return False, str(error)
+    return bench.nvrtc_check(source(), "ceiling_cl.cu", NAMES, "sm_90")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -101,12 +101,9 @@ def source() -> str:
 def compile_check() -> tuple[bool, str]:
     """(whether NVRTC compiled the kernels, its log), for sm_90a with the -arch=sm_90 CuPy
     appends beside it and CuPy's other options, as ``main`` builds them (no GPU needed)."""
-    from cupyconv._compile import nvrtc_compile
+    import bench
 
-    try:
-        return True, nvrtc_compile(source(), "mma_rate.cu", (), "sm_90a", ("-arch=sm_90",))[1]
-    except RuntimeError as error:
-        return False, str(error)
+    return bench.nvrtc_check(source(), "mma_rate.cu", (), "sm_90a", ("-arch=sm_90",))
 
 
 def main() -> None:

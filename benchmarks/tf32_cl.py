@@ -199,12 +199,9 @@ def source() -> str:
 def compile_check() -> tuple[bool, str]:
     """(whether NVRTC compiled every instance for sm_90, its log), with CuPy's options (no GPU
     needed)."""
-    from cupyconv._compile import nvrtc_compile
+    import bench
 
-    try:
-        return True, nvrtc_compile(source(), "tf32_cl.cu", NAMES, "sm_90")[1]
-    except RuntimeError as error:
-        return False, str(error)
+    return bench.nvrtc_check(source(), "tf32_cl.cu", NAMES, "sm_90")
 
 
 def reference(x, w, bias, silu):

@@ -9,8 +9,9 @@
 //       a lane, so that the rings of wider filters stay in registers).
 //
 // The warp streams its group's positions g0 .. g1 - 1 and the K-1 after them in tiles of R rows,
-// staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per lane and row)
-// while it computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
+// staging tiles i + 1 .. i + BUFS - 1 of x and dout by cp.async (one BYTES vector per lane and row;
+// a miss brings in the 256 bytes around it, which the neighbouring strip's warp reads) while it
+// computes tile i. Step r (position g0 + r) takes the row of x and dout at that position:
 // dz there (the pre-activation recomputed from the K rows of x up to it), its dweight / dbias
 // terms, and dx at g0 + r - (K-1), whose K values of dz are then known. x rows, their segment ids
 // and dz live in rings of K register slots indexed by position mod K (steps come K at a time, so
