@@ -73,6 +73,15 @@ def nvrtc_check(text: str, file: str, names, arch: str = "sm_90", extra=()) -> t
         return False, str(error)
 
 
+def stand_alone_module(text: str, names=(), options=("-std=c++17",)):
+    """(CuPy ``RawModule`` of the program ``text`` with the instances ``names``, the device's SM
+    count): a stand-alone benchmark kernel's module, built as the library's are (NVRTC)."""
+    import cupy as cp
+
+    module = cp.RawModule(code=text, options=options, name_expressions=names or None)
+    return module, cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
 #: Oracle work per check, in multiply-adds (rows x channels x seqlen x width); above it the
 #: check takes a spread of channels instead of all of them.
 CHECK_BUDGET = 1 << 27

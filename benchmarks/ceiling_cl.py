@@ -106,13 +106,12 @@ def compile_check() -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> None:
     import cupy as cp
     import torch
-    from bench import time_fn
+    from bench import stand_alone_module, time_fn
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the (8, 5120, 2048) shape alone")
     args = parser.parse_args(argv)
-    mod = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=NAMES)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    mod, sms = stand_alone_module(source(), NAMES)
     shapes = [(8, 5120, 2048)] + ([] if args.quick else [(1, 4096, 16384), (64, 1024, 512)])
     for batch, dim, seqlen in shapes:
         x = torch.randn(batch, seqlen, dim, device="cuda", dtype=torch.bfloat16)

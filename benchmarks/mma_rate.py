@@ -113,10 +113,10 @@ def main() -> None:
         ok, log = compile_check()
         print("compiled" if ok else "failed", log)
         sys.exit(0 if ok else 1)
+    import bench
     import cupy as cp
 
-    mod = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"))
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    mod, sms = bench.stand_alone_module(source(), options=("-std=c++17", "-arch=sm_90a"))
     out = cp.zeros(1, cp.float32)
     start, stop = cp.cuda.Event(), cp.cuda.Event()
 

@@ -204,31 +204,20 @@ def compile_check() -> tuple[bool, str]:
     return bench.nvrtc_check(source(), "tf32_cl.cu", NAMES, "sm_90")
 
 
-def reference(x, w, bias, silu):
-    """float64 causal depthwise convolution of channel-last x (batch, seqlen, dim)."""
-    import numpy as np
-
-    k = w.shape[1]
-    pad = np.concatenate([np.zeros((x.shape[0], k - 1, x.shape[2])), x], axis=1)
-    out = np.zeros_like(x) + bias
-    for j in range(k):
-        out += w[:, j] * pad[:, j : j + x.shape[1], :]
-    return out / (1 + np.exp(-out)) if silu else out
-
-
 def main(argv: list[str] | None = None) -> None:
     import cupy as cp
     import numpy as np
     import torch
-    from bench import copy_provider, event_loop, interleaved, time_fn
+    from bench import copy_provider, event_loop, interleaved, stand_alone_module, time_fn
 
     import cupyconv
+    from cupyconv import reference
+    from cupyconv.testing import tolerance
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the (8, 5120, 2048) shape alone")
     args = parser.parse_args(argv)
-    mod = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=NAMES)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    mod, sms = stand_alone_module(source(), NAMES)
 
     sink = cp.zeros(1024, dtype=cp.float32)
     for chains in (4, 8):
@@ -254,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # Correctness on small shapes (rows and channels not multiples of the tiles) against float64.
     rng = np.random.default_rng(0)
-    for dtype, (rtol, atol) in (("float32", (3e-4, 1e-3)), ("bfloat16", (1e-2, 5e-2))):
+    for dtype in TYPES:
         tdt = getattr(torch, dtype)
+        rtol, atol = tolerance(dtype)
         for width in WIDTHS:
             for shape in ((2, 600, 40), (1, 1000, 24), (1, 200, 38)):  # (16-bit rows: even)
                 x, w, bias = (
@@ -266,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                         rng.standard_normal(shape[2]),
                     )
                 )
-                want = reference(*(a.cpu().double().numpy() for a in (x, w, bias)), True)
+                want = reference.causal_conv1d_fn(
+                    *(a.cpu().double().numpy() for a in (x.transpose(1, 2), w, bias)),
+                    activation="silu",
+                ).transpose(0, 2, 1)  # (batch, seqlen, dim), as x
                 for tt, warps in CONFIGS:
                     out = torch.full_like(x, float("nan"))
                     run_kernel(dtype, width, tt, warps, x, w, bias, out, 512)()
