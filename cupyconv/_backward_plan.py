@@ -146,10 +146,12 @@ CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
 # the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds
 # them (``_channel_group_tiles``); up to CHANNEL_LONG_STEPS where groups of CHANNEL_STEPS would
 # take more than one wave and those fit one (bfloat16 widths 3 / 5 / 6 / 7 on (8, 5120, 2048),
-# tiles of 9 / 10 / 12 / 14 steps: 2.9 / 2.9 / 2.6 / 2.0 -> 3.4 / 3.3 / 2.95 / 2.5 TB/s; float32
-# in one wave of groups twice as long, 4-5 % slower than in 1.7 waves; benchmarks/NOTES.md,
-# "bwd_channel's groups in one wave").
-CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS, CHANNEL_LONG_STEPS = 512, 2048, 16, 640
+# tiles of 9 / 10 / 12 / 14 steps: 2.9 / 2.9 / 2.6 / 2.0 -> 3.4 / 3.3 / 2.95 / 2.5 TB/s; at 768,
+# widths 7 / 8 / 9 there, three groups a row of 686 / 688 / 684 steps in 0.91 waves against
+# 1.52 / 1.21 / 1.52, +1.4 / +11.6 / +5 % on an H100, width 6 -1.2 %; float32 in one wave of
+# groups of 1026 steps, 4-5 % slower than in 1.7 waves; benchmarks/NOTES.md, "bwd_channel's
+# groups in one wave", "bwd_channel's one-wave groups up to 768 steps").
+CHANNEL_STEPS, CHANNEL_MIN_GROUPS, CHANNEL_MIN_STEPS, CHANNEL_LONG_STEPS = 512, 2048, 16, 768
 # bwd_channel's block sums: where a call's batch rows fit one block's warps with groups of at most
 # CHANNEL_BLOCK_STEPS steps, block s takes strip s and adds its warps' dweight / dbias itself:
 # one part, so no partials to allocate and no bwd_reduce to launch, which is what a short call

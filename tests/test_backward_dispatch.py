@@ -272,7 +272,8 @@ def test_channel_tiles_fit_and_are_whole_multiples_of_the_width():
         ((64, 1024, 512), 32),  # 1024 rows: 2 groups a row
         ((8, 5120, 2400), 75),  # 300 tiles a row: 4 groups of 75 (5 would be more than a wave)
         ((8, 5120, 2304), 72),  # 288 tiles a row: 4 groups of 72 (not 5 of up to 58)
-        ((8, 5120, 2600), 55),  # 325 tiles: 4 groups would pass CHANNEL_LONG_STEPS; 6 of 55
+        ((8, 5120, 2600), 82),  # 325 tiles: 4 groups of 82 (656 steps) in one wave, not 6 of 55
+        ((8, 5120, 3200), 58),  # 400 tiles: 4 groups would pass CHANNEL_LONG_STEPS; 7 of 58
         ((24, 4000, 512), 64),  # 1512 rows: 2 groups a row would be more than a wave
         ((512, 1024, 512), 64),  # 8192 rows: more than a wave with one group a row
         ((2, 256, 512), 2),  # 8 rows: groups of CHANNEL_MIN_STEPS steps
