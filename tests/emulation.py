@@ -6,7 +6,8 @@ and each launch runs the planned kernel instance, compiled from its ``.cu`` sour
 host C++ compiler against ``tests/emulator/cuda_emu.h`` (threads as fibers, warp-wide
 operations and ``mma.sync`` computed from all their lanes). The device is an H200 (sm_90) or an
 A100 (sm_80). Every array it allocates, and every :class:`HostArray` made by :func:`host`, sits
-between guard bytes that must be untouched after the call (:func:`check_guards`).
+between guard bytes that must be untouched after the call (:func:`check_guards`), and a
+``cp.async`` that reads bytes outside every live HostArray's elements fails the launch.
 
 Slow (a block's threads run one at a time): for small shapes only.
 """
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +49,7 @@ CACHE = Path(os.environ.get("CUPYCONV_EMULATOR_CACHE", _DEFAULT_CACHE))
 CXX = os.environ.get("CXX", "g++")
 #: Opt-in dynamic shared memory a block on the emulated devices (sm_90, sm_80).
 SMEM_LIMITS = {900: 232448, 800: 166912}
-GUARD = 256  # bytes of 0xff before and after every array's elements
+GUARD = 4096  # bytes of 0xff before and after every array's elements
 _DYNAMIC = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
 
 
@@ -123,6 +125,10 @@ extern "C" int cpc_run(const long long* words, int n, unsigned grid, unsigned bx
     }}
     return 0;
 }}
+extern "C" void cpc_set_arrays(const unsigned long long* ranges, int n) {{
+    cpc::arrays.clear();
+    for (int i = 0; i < n; ++i) cpc::arrays.emplace_back(ranges[2 * i], ranges[2 * i + 1]);
+}}
 """
 
 
@@ -133,6 +139,8 @@ class EmulationError(RuntimeError):
 def run_launch(plan, params, arch: int) -> None:
     """Runs one planned launch (cupyconv._launch.Launch) with its ParamBlock."""
     lib = library(plan.source, plan.name, arch)
+    ranges = np.array([a.span() for a in list(_live) if a.data.size], dtype=np.uint64)
+    lib.cpc_set_arrays(ctypes.c_void_p(ranges.ctypes.data), len(ranges))
     words = np.array(params.values, dtype=np.int64)
     err = ctypes.create_string_buffer(2048)
     bx, by = plan.block
@@ -147,12 +155,17 @@ def run_launch(plan, params, arch: int) -> None:
 # ---- arrays -----------------------------------------------------------------------------------
 
 
+#: The HostArrays alive: a launch may read any of them, and a cp.async nothing else.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
 class HostArray:
     """Host memory presented as a CUDA array (``__cuda_array_interface__`` with the host address,
     device 0): ``data`` is the numpy view into ``raw``, whose other bytes are guards."""
 
     def __init__(self, raw: np.ndarray, data: np.ndarray):
         self.raw, self.data = raw, data
+        _live.add(self)
         self.__cuda_array_interface__ = {
             "shape": data.shape,
             "typestr": data.dtype.str,
@@ -163,6 +176,12 @@ class HostArray:
 
     def __dlpack_device__(self):
         return (2, 0)
+
+    def span(self) -> tuple[int, int]:
+        """The address range [begin, end) of the array's elements (strides are non-negative)."""
+        begin = self.data.ctypes.data
+        last = sum((n - 1) * s for n, s in zip(self.data.shape, self.data.strides))
+        return begin, begin + last + self.data.itemsize
 
     def outside(self) -> np.ndarray:
         """The bytes of ``raw`` that are not the array's elements."""

@@ -266,6 +266,22 @@ def test_forward(case):
     assert FORWARD[case] in templates(ran), ran
 
 
+def test_reads_outside_every_array_fail():
+    """The emulator's cp.async reads only inside the live arrays: x left out of them, the
+    channel-last backward's staging of x fails the launch."""
+    import emulation
+
+    rng = np.random.default_rng(0)
+    x64, g64 = rounded(rng, (2, 64, 40), "bfloat16"), rounded(rng, (2, 64, 40), "bfloat16")
+    w64 = rounded(rng, (64, 4), "bfloat16")
+    with emulated_gpu():
+        x, dout = placed(x64, "bfloat16", "cl"), placed(g64, "bfloat16", "cl")
+        w = host(w64, NP_DTYPES["bfloat16"])
+        emulation._live.discard(x)
+        with pytest.raises(emulation.EmulationError, match="cp.async: a read outside every array"):
+            cupyconv.causal_conv1d_bwd(x, w, None, dout)
+
+
 @pytest.mark.parametrize("case", BACKWARD, ids=_id)
 def test_backward(case):
     shape, width, layout, dtype, wdtype, features, arch = case

@@ -231,6 +231,16 @@ inline unsigned char* shared_pointer(unsigned a) { return arena + (int)a; }
 
 [[noreturn]] inline void fail(const std::string& what) { throw std::runtime_error(what); }
 
+// The byte ranges [begin, end) of the arrays a launch may touch (tests/emulation.py sets them
+// before each launch through cpc_set_arrays): a cp.async that reads outside every one fails.
+inline std::vector<std::pair<uintptr_t, uintptr_t>> arrays;
+inline bool inside_an_array(const void* p, int bytes) {
+    const uintptr_t a = (uintptr_t)p;
+    for (const auto& [begin, end] : arrays)
+        if (a >= begin && a + bytes <= end) return true;
+    return false;
+}
+
 inline void wait_here() { switch_to(block.current->ctx, block.scheduler); }
 
 // This thread reaches warp-wide operation `op` of the lanes in `mask`.

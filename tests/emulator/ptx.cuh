@@ -27,6 +27,7 @@ inline void st_global8(void* at, unsigned lo, unsigned hi, bool on = true) {
 inline void cpc_copy(unsigned char* dst, const void* src, int bytes, int size) {
     if ((uintptr_t)dst % size || (bytes && (uintptr_t)src % size)) cpc::fail("cp.async: a misaligned address");
     if (bytes < 0 || bytes > size) cpc::fail("cp.async: a source size outside 0 .. the copy's size");
+    if (bytes && !cpc::inside_an_array(src, bytes)) cpc::fail("cp.async: a read outside every array");
     std::memset(dst, 0xff, size);
     cpc::block.current->copies.push_back({dst, src, bytes, size, 0});
 }
