@@ -88,9 +88,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         // piece of row `first` of the tile (together), or its vectors of the tile's first row.
         // Rows past the row are zeros.
         const int in_row = (int)min(seqlen - g0, (int64)n_tiles * R);  // staged rows inside the row
-        // Tiles 0 .. whole - 1 lie wholly inside the row. (Not `rows == R` below: NVRTC 13.0 folds
-        // that test into the min's predicate output, true where in_row - i R < R, and staged the
-        // row's last tile unchecked; compute-sanitizer found the reads past x.)
+        // Tiles 0 .. whole - 1 lie wholly inside the row. (Not `rows == R` below: NVRTC 13.0
+        // compiled that test as in_row - i R < R, so each group's last partial tile was staged
+        // unchecked, past the row: compute-sanitizer found the reads past x and dout.)
         const int whole = in_row / R;
         const int piece = lane % PIECES, first = together ? lane / PIECES : 0;
         const int64 c_first = together ? strip * (32 * V) + piece * (16 / (int)sizeof(T)) : c0;
