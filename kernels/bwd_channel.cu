@@ -88,10 +88,6 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
         // piece of row `first` of the tile (together), or its vectors of the tile's first row.
         // Rows past the row are zeros.
         const int in_row = (int)min(seqlen - g0, (int64)n_tiles * R);  // staged rows inside the row
-        // Tiles 0 .. whole - 1 lie wholly inside the row. (Not `rows == R` below: NVRTC 13.0
-        // compiled that test as in_row - i R < R, so each group's last partial tile was staged
-        // unchecked, past the row: compute-sanitizer found the reads past x and dout.)
-        const int whole = in_row / R;
         const int piece = lane % PIECES, first = together ? lane / PIECES : 0;
         const int64 c_first = together ? strip * (32 * V) + piece * (16 / (int)sizeof(T)) : c0;
         const T* x_next = x + b * x_batch_stride + c_first + (g0 + first) * x_l_stride;
@@ -113,6 +109,10 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 cp_async_commit();
                 return;
             }
+            // whole: tile i lies wholly inside the row and is staged without checks. (Not tested as
+            // rows == R: NVRTC 13.0 compiled that as in_row - i R < R, so each group's last partial
+            // tile was staged unchecked, past the row: compute-sanitizer found the reads.)
+            const bool whole = (i + 1) * R <= in_row;
             const int rows = max(min(in_row - i * R, R), 0);
             if (together) {
                 // Whole tiles in the row without checks, the last one with (zeros past the row).
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         }
                     }
                 };
-                if (i < whole) copy_rows(Flag<false>());
+                if (whole) copy_rows(Flag<false>());
                 else copy_rows(Flag<true>());
                 cp_async_commit();
                 return;
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                 else *to = in ? *reinterpret_cast<const Raw*>(from) : Raw(0);
             };
             const T *s = src, *t = d;
-            if (i < whole) {  // the whole tile in the row: no checks
+            if (whole) {  // the whole tile in the row: no checks
                 #pragma unroll
                 for (int r = 0; r < R; ++r, s += x_l_stride) own(st + 32 * r, s, true);
                 if (dout_aligned) {
