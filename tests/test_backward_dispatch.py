@@ -18,6 +18,7 @@ from cupyconv import _arrays, _backward_plan, _launch, backward
 from cupyconv._backward_plan import CHANNEL_SMEM, all_backward_instances
 
 KERNELS = {k.template: k for k in _backward_plan.KERNELS}
+STEPS = _backward_plan._channel_tile("float16", 4)[0]  # bwd_channel's tile at width 4, 16-bit x
 POINTERS = 13
 
 
@@ -289,7 +290,7 @@ def test_channel_groups(launches, monkeypatch, shape, tiles):
     call(cl(batch, dim, seqlen, dtype=np.float16))
     name, plan, params = launches["launches"][0]
     assert name == "bwd_channel" and params["group_tiles"] == tiles
-    groups = -(-seqlen // (8 * tiles))
+    groups = -(-seqlen // (STEPS * tiles))
     assert params["group_divisor"] == _launch.fast_divisor(groups)
     assert plan.grid * 4 >= batch * -(-dim // 64) * groups
 
@@ -315,12 +316,12 @@ def test_channel_block_sums(launches, monkeypatch, shape, tiles):
     name, plan, params = launches["launches"][0]
     assert name == "bwd_channel" and params["block_sum"] == (tiles > 0)
     if tiles:
-        groups = -(-seqlen // (8 * tiles))
+        groups = -(-seqlen // (STEPS * tiles))
         assert params["group_tiles"] == tiles and batch * groups <= 4
         assert plan.grid == -(-dim // 64) and params["n_parts"] == 1
         assert names(launches) == ["bwd_channel"] and params["pointers"][11] == 0  # partials
     else:
-        assert params["group_tiles"] * 8 <= _backward_plan.CHANNEL_STEPS
+        assert params["group_tiles"] * STEPS <= _backward_plan.CHANNEL_STEPS
 
 
 def test_fields_match_the_structs():
