@@ -4,14 +4,19 @@ Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc``
 ``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles a
 representative set: every forward kernel family for every dtype, and every backward family for
 a 2-byte and the 8-byte dtype, and the update and varlen families, for sm_90. The ``sweep``
-marker (run by ``.ci/run``) compiles
-every instance the dispatchers can produce, several instances per NVRTC program and the programs
-in parallel processes: the forward's for sm_90; the backward's for bfloat16 and float64 (the
-narrowest and the widest vectors) as compute_90 PTX, NVRTC's whole front end and optimiser (all
-340 backward instances through ptxas as well would take the 2-core CI machine over its budget:
-about 15 minutes); every backward family of the other two dtypes at width 4 for sm_90; every
-update instance of bfloat16 and float64 as PTX; and for sm_80, every forward family and dtype,
-the bfloat16 backward, the update of every dtype, and varlen.
+marker (run by ``.ci/run``) compiles, several instances per NVRTC program and the programs in
+parallel processes:
+
+- every instance the dispatchers can produce, of every operator, dtype and width (1420), through
+  NVRTC's front end for compute_80 and compute_90 (``-G``: templates, static_asserts and each
+  architecture's code paths, without the optimiser, about 0.05 s an instance);
+- every bfloat16 and float32 forward instance in full for sm_90 (optimiser and ptxas);
+- in full for sm_90, every backward family of float16 and float32 at width 4 (bfloat16 and
+  float64: the default set); for sm_80, every forward family and dtype, the bfloat16 backward's
+  families, the update of every dtype and varlen.
+
+Compiling every instance in full (about 1.5 s of CPU each, ptxas half of it) would take the
+2-core CI machine past its budget.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import pytest
 
 from cupyconv import _backward_plan, _forward_plan, _update_plan, _varlen_plan
 from cupyconv._backward_plan import all_backward_instances
-from cupyconv._compile import C_TYPES, compile_offline
+from cupyconv._compile import C_TYPES, compile_offline, nvrtc_compile
 from cupyconv._forward_plan import all_forward_instances
 from cupyconv._update_plan import all_update_instances
 from cupyconv._varlen_plan import all_varlen_instances
@@ -64,17 +69,19 @@ def representative(backward_dtypes=tuple(C_TYPES)) -> dict:
     }
 
 
-def _compile(file: str, names: list[str], arch: str) -> tuple[int, int]:
-    """Compile ``names`` of ``kernels/<file>`` (in a worker process): (instances, image bytes)."""
-    image = compile_offline(SOURCES[file], names, arch)
+def _compile(file: str, names: list[str], arch: str, front_end: bool) -> tuple[int, int]:
+    """Compile ``names`` of ``kernels/<file>`` (in a worker process), through NVRTC's front end
+    alone (``-G``) or in full: (instances, image bytes)."""
+    image = nvrtc_compile(SOURCES[file].text, file, names, arch, ("-G",) if front_end else ())[0]
     if arch.startswith("compute"):
         assert image.decode().count(".entry") == len(names)
     return len(names), len(image)
 
 
-def compile_all(instances: dict, arch: str) -> int:
-    """Compile every (source, names) of ``instances`` for ``arch``, PER_PROGRAM instances per
-    program, the programs in parallel processes (the longest first); the number compiled."""
+def compile_all(instances: dict, arch: str, front_end: bool = False) -> int:
+    """Compile every (source, names) of ``instances`` for ``arch`` (``front_end``: ``-G``, no
+    optimiser), PER_PROGRAM instances per program, the programs in parallel processes (the
+    longest first); the number compiled."""
     jobs = [
         (source.file, names[i : i + PER_PROGRAM])
         for source, names in instances.items()
@@ -82,7 +89,7 @@ def compile_all(instances: dict, arch: str) -> int:
     ]
     jobs.sort(key=lambda job: -max(_cost(n) for n in job[1]))
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        done = pool.map(_compile, *zip(*[(f, n, arch) for f, n in jobs]))
+        done = pool.map(_compile, *zip(*[(f, n, arch, front_end) for f, n in jobs]))
         return sum(count for count, _ in done)
 
 
@@ -132,52 +139,59 @@ def test_update_and_varlen_families_compile():
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
 
-@pytest.mark.sweep
-def test_every_update_instance_compiles_to_ptx():
-    """Every width of bfloat16 and float64 (the other dtypes differ in their conversions only:
-    the sm_80 representatives below)."""
-    instances = all_update_instances(("bfloat16", "float64"))
-    assert compile_all(instances, "compute_90") == sum(len(n) for n in instances.values())
+def every_instance() -> dict:
+    """Every instance the dispatchers can produce, of every operator, dtype and width."""
+    return {
+        **all_forward_instances(), **all_backward_instances(), **all_update_instances(),
+        **all_varlen_instances(),
+    }  # fmt: skip
 
 
 @pytest.mark.sweep
-def test_every_forward_instance_compiles_for_sm_90():
-    instances = all_forward_instances()
+@pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
+def test_every_instance_passes_the_front_end(arch):
+    instances = every_instance()
+    assert sum(len(n) for n in instances.values()) > 1400
+    assert compile_all(instances, arch, front_end=True) == sum(len(n) for n in instances.values())
+
+
+@pytest.mark.sweep
+def test_every_bfloat16_and_float32_forward_instance_compiles_for_sm_90():
+    instances = all_forward_instances(dtypes=("bfloat16", "float32"))
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
-def test_every_backward_instance_compiles_to_ptx(dtype):
-    """Every width, layout kernel and seq_idx variant of the narrowest and the widest vectors
-    (the other two dtypes differ from these in their element conversions only, compiled for
-    every family at width 4 by the representative tests)."""
-    instances = all_backward_instances(dtypes=(dtype,))
-    assert compile_all(instances, "compute_90") == sum(len(n) for n in instances.values())
-
-
-@pytest.mark.sweep
 def test_representative_backward_instances_compile_for_sm_90():
-    """float16 and float32, every family at width 4 (bfloat16 and float64: the default tests
-    and the PTX sweep)."""
+    """float16 and float32, every family at width 4 (bfloat16 and float64: the default tests)."""
     instances = all_backward_instances(dtypes=("float16", "float32"), widths=(4,))
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("arch", ("sm_80", "compute_90"))
-def test_representative_instances_compile(arch):
-    """sm_80: the backward for one dtype (the architecture, not the types, is under test);
-    compute_90: the forward only (the backward's PTX sweep above covers it)."""
-    instances = representative(("bfloat16",) if arch == "sm_80" else ())
-    if arch == "sm_80":
-        instances |= all_update_instances(widths=(4,)) | all_varlen_instances()
-    assert compile_all(instances, arch) == sum(len(n) for n in instances.values())
+def test_representative_instances_compile_for_sm_80():
+    """The forward for every dtype, the backward for one (the architecture, not the types, is
+    under test), the update of every dtype and varlen."""
+    instances = representative(("bfloat16",))
+    instances |= all_update_instances(widths=(4,)) | all_varlen_instances()
+    assert compile_all(instances, "sm_80") == sum(len(n) for n in instances.values())
 
 
 def test_compile_error_is_reported():
     with pytest.raises(RuntimeError, match="fwd_time.cu failed to compile"):
         compile_offline(SOURCES["fwd_time.cu"], ["fwd_time<int, 4, false, 8, 1>"], "compute_90")
+
+
+def test_front_end_compile_checks_static_assertions():
+    """The sweep's front-end compile (-G) instantiates the templates: an instance that breaks a
+    static_assert (a tile of 9 steps at width 4) fails it."""
+    with pytest.raises(RuntimeError, match="R is a multiple of K"):
+        _compile(
+            "bwd_channel.cu",
+            ["bwd_channel<__nv_bfloat16, 4, false, 9, 4, 3, 4>"],
+            "compute_90",
+            True,
+        )
 
 
 def test_tensor_core_rate_kernels_build_for_sm_90a():
