@@ -46,6 +46,9 @@ CONSTANTS = {
     "WEIGHT_RUN": 16,  # bwd_weight: positions per run
     "MAX_STATE": 255,  # bwd_states: most state positions (width - 1)
     "WARPS_PER_SM": 20,  # bwd_time, bwd_channel: the register budget's occupancy target
+    # bwd_channel_pair: its budget's warps an SM (128 registers; at 96, for 20 warps, width 4
+    # spills 144 bytes and runs at half the speed)
+    "CHANNEL_PAIR_WARPS_PER_SM": 16,
     "BWD_MMA_WARPS": 2,  # bwd_mma: warps per block (independent)
     "BWD_MMA_CL_WARPS": 16,  # bwd_mma, channel-contiguous x: warps a block, one channel each
     "BWD_MMA_LAGS": 5,  # bwd_mma: most block lags of dweight's C_d a warp holds (its k-steps)
@@ -142,6 +145,13 @@ TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # staging depth", "bwd_channel's deeper staging, measured").
 CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
+# bwd_channel_pair (16-bit x at widths dividing its 8-step tile, no seq_idx, whole strips of
+# 128 channels in 16-byte aligned rows): CHANNEL_PAIRS pairs of warps a block, a pair a group of
+# four channels a lane, so that each staged row is 256 bytes. On the H200, against bwd_channel
+# (TB/s, bfloat16 width 4): (8, 5120, 2048) 3.40 -> 3.55, its channel slice 3.30 -> 3.56,
+# (1, 4096, 16384) 3.40 -> 3.51, (64, 1024, 512) 3.18 -> 3.22, width 2 3.33 -> 3.43, float16
+# 3.34 -> 3.59 (benchmarks/NOTES.md, "bwd_channel_pair: warps in pairs on 256-byte rows").
+CHANNEL_PAIRS = 2
 # bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
 # the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds
 # them (``_channel_group_tiles``); up to CHANNEL_LONG_STEPS where groups of CHANNEL_STEPS would
@@ -204,6 +214,9 @@ CHANNEL = Kernel(
     ),
     pdl=True,
 )  # fmt: skip
+CHANNEL_PAIR = Kernel(
+    "bwd_channel_pair", "bwd_channel.cu", "BwdChannelParams", CHANNEL.plan_fields, pdl=True
+)
 DZ = Kernel("bwd_dz", "bwd_general.cu", "BwdDzParams", ("channels_fastest", *_SCRATCH), pdl=True)
 DX = Kernel("bwd_dx", "bwd_general.cu", "BwdDxParams", ("channels_fastest", *_SCRATCH), pdl=True)
 WEIGHT = Kernel("bwd_weight", "bwd_general.cu", "BwdWeightParams", _SCRATCH, pdl=True)
@@ -243,7 +256,21 @@ MMA_CL = Kernel(
 )  # fmt: skip
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams", pdl=True)
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams", pdl=True)
-KERNELS = (TIME, CHANNEL, MMA, MMA_TIME, MMA_BLOCK, MMA_CL, WIDE, DZ, DX, WEIGHT, STATES, REDUCE)
+KERNELS = (
+    TIME,
+    CHANNEL,
+    CHANNEL_PAIR,
+    MMA,
+    MMA_TIME,
+    MMA_BLOCK,
+    MMA_CL,
+    WIDE,
+    DZ,
+    DX,
+    WEIGHT,
+    STATES,
+    REDUCE,
+)
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -288,6 +315,26 @@ def _channel_takes(dtype: str, width: int, seq: bool) -> bool:
     if seq:
         return width <= min(CHANNEL_SEQ_MAX_WIDTH, CHANNEL_MAX_WIDTH)
     return width <= CHANNEL_MAX_WIDTH and width < CHANNEL_WIDE_FROM[dtype]
+
+
+def _pair_takes(width: int) -> bool:
+    """Whether bwd_channel_pair serves 16-bit x at ``width`` (its 8-step tile a multiple of it)."""
+    return CHANNEL_TILE[2][0] % width == 0
+
+
+def _pair_name(dtype: str, width: int) -> str:
+    steps, _, bufs = CHANNEL_TILE[2]
+    return f"bwd_channel_pair<{C_TYPES[dtype]}, {width}, {steps}, {bufs}, {CHANNEL_PAIRS}>"
+
+
+def _channel_pairs(x: Array, dout: Array, dx: Array, width: int, has_seq: bool) -> bool:
+    """Whether bwd_channel_pair may serve the call: 16-bit x, no seq_idx, whole strips of 128
+    channels in 16-byte aligned rows of x and dout, dout and dx in 8-byte lane vectors."""
+    return (
+        x.itemsize == 2 and not has_seq and _pair_takes(width) and x.shape[1] % 128 == 0
+        and rows_aligned(x, 1) and rows_aligned(dout, 1) and _channel_vectors(dout, 8)
+        and _channel_vectors(dx, 8)
+    )  # fmt: skip
 
 
 def _channel_name(dtype: str, width: int, seq: bool) -> str:
@@ -370,6 +417,8 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                         found.setdefault(TIME.source, set()).add(_time_name(d, w, seq, chunk))
                 if _channel_takes(d, w, seq):
                     found.setdefault(CHANNEL.source, set()).add(_channel_name(d, w, seq))
+            if ITEMSIZE[d] == 2 and _pair_takes(w):
+                found.setdefault(CHANNEL_PAIR.source, set()).add(_pair_name(d, w))
             if d == "bfloat16" and w >= MMA_MIN_WIDTH:
                 found.setdefault(MMA.source, set()).add(_mma_name(w))
                 if mma_steps(w) <= MMA_TIME_MAX_STEPS:
@@ -831,10 +880,17 @@ def _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device) -> Back
     block_tiles = 0  # block sums: a block a strip
     if batch * groups > 1 and strips <= MAX_GRID:
         block_tiles = _channel_block_tiles(row_tiles, batch, steps, warps)
-    block_sum = block_tiles > 0
+    block_sum, kernel = block_tiles > 0, CHANNEL
     if block_sum:  # one block a strip, its warps a batch row's groups each
         tiles, groups, grid = block_tiles, -(-row_tiles // block_tiles), strips
-    launch = CHANNEL.launch(
+    elif _channel_pairs(x, dout, dx, width, has_seq):  # a pair of warps a group of 128 channels
+        name, pairs, kernel = _pair_name(x.dtype_name, width), CHANNEL_PAIRS, CHANNEL_PAIR
+        strips, warps = dim // 128, 2 * pairs
+        slots = resident_blocks(device, CHANNEL_PAIR.source, name, 64 * pairs, 0) * pairs
+        tiles = _channel_group_tiles(row_tiles, batch * strips, steps, slots)
+        groups = -(-seqlen // (steps * tiles))
+        grid = _grid(batch * groups * strips, pairs)
+    launch = kernel.launch(
         name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes),
         rows16=rows_aligned(x, 1) and rows_aligned(dout, 1),

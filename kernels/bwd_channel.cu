@@ -25,6 +25,9 @@
 // no partials, no bwd_reduce).
 // dout must split into the same lane vectors as x (p.dout_aligned, else it is read element by
 // element); p.dx_aligned: dx does too.
+//
+//   bwd_channel_pair<T, K, R, BUFS, PAIRS>
+//       16-bit x on strips of 128 channels by pairs of warps (below).
 #include "bwd_common.cuh"
 
 template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
@@ -331,5 +334,221 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                     write_sum(partials, dweight, dbias, p, 0, c0 + v, k, s);
                 }
         }
+    }
+}
+
+// bwd_channel_pair<T, K, R, BUFS, PAIRS>: the same backward for 16-bit x by warps in pairs, a pair
+// a group of a strip of 32 lanes x 4 channels, so that every staged row is 256 bytes: the pair's
+// first warp stages x and dout (BUFS tiles of R rows in flight), computes dz and dweight's sums
+// and writes each tile's dz into one of two shared tiles; its second warp reads that tile one
+// barrier later, computes and stores dx and sums dbias. The pair meets at one named barrier (id 1 + pair) a
+// tile and one a group: the first warp writes tile i's dz after the barrier that ends the second
+// warp's reading of tile i - 2 (the same buffer). Plan (the plan's _channel_pairs): no seq_idx,
+// whole strips of 16-byte aligned x and dout rows, dout and dx in 8-byte lane vectors, not the
+// block sums. Per element, the arithmetic and its order are bwd_channel's (dx and the dweight /
+// dbias sums of a group: the same bits). Its register budget (CHANNEL_PAIR_WARPS_PER_SM) is
+// above bwd_channel's: the first warp's x ring, taps and sums of four channels spill in 96.
+template <typename T, int K, int R, int BUFS, int PAIRS>
+__global__ void __launch_bounds__(64 * PAIRS, CHANNEL_PAIR_WARPS_PER_SM / (2 * PAIRS))
+    bwd_channel_pair(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
+    wait_for_previous_kernel();
+    static_assert(sizeof(T) == 2, "16-bit x: four channels a lane in 8 bytes");
+    using A = float;
+    const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, x_batch_stride = p.x_batch_stride,
+                x_l_stride = p.x_l_stride, weight_c_stride = p.weight_c_stride,
+                weight_width_stride = p.weight_width_stride, bias_stride = p.bias_stride,
+                dout_batch_stride = p.dout_batch_stride, dout_l_stride = p.dout_l_stride,
+                dx_batch_stride = p.dx_batch_stride, dx_l_stride = p.dx_l_stride,
+                strip_divisor = p.strip_divisor, group_divisor = p.group_divisor, span = R * p.group_tiles;
+    const int weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype, silu_act = (int)p.silu_act;
+    using VecT = Vec<T, 8>;
+    using Raw = typename VecT::Raw;
+    constexpr int V = VecT::V, W = K - 1;
+    static_assert(R % K == 0, "ring slots are compile-time constants only if R is a multiple of K");
+    constexpr int PIECES = 16, ROUND = 32 / PIECES;  // 16-byte pieces of a row; rows a copy round
+    __shared__ __align__(16) Raw stage_mem[PAIRS][BUFS][2 * R * 32];  // a pair's tiles: R rows of x, R of dout
+    __shared__ __align__(16) float4 dz_mem[PAIRS][2][R * 32];  // a pair's two tiles of dz
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, pair = warp / 2, bar = 1 + pair;
+    const bool first = (warp & 1) == 0;
+    Raw (*const stage)[2 * R * 32] = stage_mem[pair];
+    const int64 n_strips = dim / (32 * V), groups_per_row = (seqlen + span - 1) / span;
+    const int64 n_groups = batch * groups_per_row * n_strips;
+    const A scale = act_scale<A>(silu_act);
+
+    for (int64 g = blockIdx.x * (int64)PAIRS + pair; g < n_groups; g += (int64)gridDim.x * PAIRS) {
+        int64 q, strip, b, group;
+        divmod_fast(g, n_strips, strip_divisor, q, strip);
+        divmod_fast(q, groups_per_row, group_divisor, b, group);
+        const int64 c0 = strip * (32 * V) + lane * V;
+        const int64 g0 = group * span, g1 = min(seqlen, g0 + span);
+        const int len = (int)(g1 - g0), steps = len + W;
+        const int n_tiles = (steps + R - 1) / R;
+        A w[K][V];
+        #pragma unroll
+        for (int v = 0; v < V; ++v)
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                w[k][v] = scale * load_as<A>(weight, weight_dtype, (c0 + v) * weight_c_stride + k * weight_width_stride);
+        named_barrier(bar, 64);  // the second warp is done with the previous group's dz tiles
+        // A tile's rows need checks where it holds the group's first W steps or steps past g1.
+        auto checked = [&](int i) { return i * R < W || i * R + R > len; };
+
+        if (!first) {  // dx at g0 + r - W from the dz of steps r - W .. r
+            T* dxp = dx + b * dx_batch_stride + c0 + g0 * dx_l_stride;
+            A dzw[K][V], db[V] = {};  // (dbias's sums here: the first warp's registers are dearer)
+            #pragma unroll 1
+            for (int i = 0; i < n_tiles; ++i) {
+                named_barrier(bar, 64);  // tile i's dz is in its buffer
+                const float4* const dzt = dz_mem[pair][i & 1] + lane;
+                auto tile = [&](auto checked_flag) {
+                    constexpr bool CHECKED = decltype(checked_flag)::value;
+                    #pragma unroll 1
+                    for (int r0 = 0; r0 < R; r0 += K) {
+                        #pragma unroll
+                        for (int u = 0; u < K; ++u) {
+                            const int r = i * R + r0 + u;
+                            if (CHECKED && r >= steps) break;
+                            const int own = (u + W) % K;
+                            const float4 d = dzt[32 * (r0 + u)];
+                            dzw[own][0] = d.x, dzw[own][1] = d.y, dzw[own][2] = d.z, dzw[own][3] = d.w;
+                            if (!CHECKED || r < len) {
+                                #pragma unroll
+                                for (int v = 0; v < V; ++v) db[v] += dzw[own][v];
+                            }
+                            if (!CHECKED || r >= W) {
+                                VecT res;
+                                #pragma unroll
+                                for (int v = 0; v < V; ++v) {
+                                    A acc = A(0);
+                                    #pragma unroll
+                                    for (int k = 0; k < K; ++k) acc += w[k][v] * dzw[(u + W - k) % K][v];
+                                    res.e[v] = from_acc<T>(acc);
+                                }
+                                *reinterpret_cast<Raw*>(dxp) = res.raw;
+                                dxp += dx_l_stride;
+                            }
+                        }
+                    }
+                };
+                if (checked(i)) tile(Flag<true>());
+                else tile(Flag<false>());
+            }
+            #pragma unroll
+            for (int v = 0; v < V; ++v)
+                write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, K, scale * db[v]);
+            continue;
+        }
+
+        // The first warp: tiles staged in order, tile t into buffer t mod BUFS (one cp.async group
+        // a tile, an empty one past the last), lane l copying piece l mod 16 of rows l / 16, + 2, ..
+        const int in_row = (int)min(seqlen - g0, (int64)n_tiles * R);  // staged rows inside the row
+        const int piece = lane % PIECES, first_row = lane / PIECES;
+        const int64 c_first = strip * (32 * V) + piece * 8;
+        const T* x_next = x + b * x_batch_stride + c_first + (g0 + first_row) * x_l_stride;
+        const T* d_next = dout + b * dout_batch_stride + c_first + (g0 + first_row) * dout_l_stride;
+        const int64 x_tile = R * x_l_stride, d_tile = R * dout_l_stride;
+        constexpr int TILE_BYTES = (int)sizeof(stage[0]);
+        char* const dst_first = reinterpret_cast<char*>(stage[0]) + piece * 16;
+        int next = 0, next_buf = 0;
+        __syncwarp();  // the stage's last readers are done
+        auto stage_next = [&]() {
+            const int i = next++;
+            char* const dst = dst_first + next_buf * TILE_BYTES;
+            next_buf = next_buf == BUFS - 1 ? 0 : next_buf + 1;
+            const T *s = x_next, *t = d_next;
+            x_next += x_tile;
+            d_next += d_tile;
+            if (i < n_tiles) {
+                const bool whole = (i + 1) * R <= in_row;  // (as in bwd_channel: not rows == R)
+                const int rows = max(min(in_row - i * R, R), 0);
+                auto copy_rows = [&](auto checked_flag) {
+                    constexpr bool CHECKED = decltype(checked_flag)::value;
+                    #pragma unroll
+                    for (int k = 0; k < R / ROUND; ++k, s += ROUND * x_l_stride, t += ROUND * dout_l_stride) {
+                        const int r = first_row + k * ROUND;
+                        const bool in = !CHECKED || r < rows;
+                        cp_async<16, 256>(dst + r * 32 * 8, in ? s : x, in ? 16 : 0);
+                        cp_async<16, 256>(dst + (R + r) * 32 * 8, in ? t : dout, in ? 16 : 0);
+                    }
+                };
+                if (whole) copy_rows(Flag<false>());
+                else copy_rows(Flag<true>());
+            }
+            cp_async_commit();
+        };
+        #pragma unroll
+        for (int i = 0; i < BUFS - 1; ++i) stage_next();
+
+        A bias_v[V] = {}, dw[K][V] = {};
+        if (bias) {
+            #pragma unroll
+            for (int v = 0; v < V; ++v) bias_v[v] = scale * load_as<A>(bias, bias_dtype, (c0 + v) * bias_stride);
+        }
+        A xw[K][V];  // ring: position g0 + r - W + k of step r's window in slot (r + k) mod K
+        #pragma unroll
+        for (int k = 0; k < W; ++k)
+            #pragma unroll
+            for (int v = 0; v < V; ++v) xw[k][v] = input_at<A>(x, initial_states, p, b, c0 + v, g0 - W + k);
+
+        int buf = 0;
+        #pragma unroll 1
+        for (int i = 0; i < n_tiles; ++i) {
+            __syncwarp();  // tile i - 1's readers are done with its stage
+            stage_next();  // tile i + BUFS - 1
+            cp_async_wait<BUFS - 1>();
+            __syncwarp();  // the pieces the other lanes staged have landed
+            const Raw* const st = stage[buf] + lane;
+            buf = buf == BUFS - 1 ? 0 : buf + 1;
+            float4* const dzt = dz_mem[pair][i & 1] + lane;
+            auto tile = [&](auto checked_flag, auto silu_flag) {
+                constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value;
+                #pragma unroll 1
+                for (int r0 = 0; r0 < R; r0 += K) {
+                    #pragma unroll
+                    for (int u = 0; u < K; ++u) {
+                        const int r = i * R + r0 + u;
+                        if (CHECKED && r >= steps) break;
+                        const int64 pos = g0 + r;
+                        const int own = (u + W) % K;
+                        VecT xrow, drow;
+                        xrow.raw = st[32 * (r0 + u)];
+                        drow.raw = st[32 * (R + r0 + u)];
+                        widen<T, A, V>(xrow.e, xw[own]);
+                        A gd[V];
+                        widen<T, A, V>(drow.e, gd);
+                        if (CHECKED ? silu_act : SILU) {
+                            #pragma unroll
+                            for (int v = 0; v < V; ++v) {
+                                A z = bias_v[v];
+                                #pragma unroll
+                                for (int k = 0; k < K; ++k) z += w[k][v] * xw[(u + k) % K][v];
+                                gd[v] *= silu_grad_scaled(z);
+                            }
+                        }
+                        const bool live = !CHECKED || pos < seqlen;
+                        A dz[V];
+                        #pragma unroll
+                        for (int v = 0; v < V; ++v) dz[v] = live ? gd[v] : A(0);
+                        if (!CHECKED || pos < g1) {
+                            #pragma unroll
+                            for (int v = 0; v < V; ++v) {
+                                #pragma unroll
+                                for (int k = 0; k < K; ++k) dw[k][v] += dz[v] * xw[(u + k) % K][v];
+                            }
+                        }
+                        dzt[32 * (r0 + u)] = make_float4(dz[0], dz[1], dz[2], dz[3]);
+                    }
+                }
+            };
+            if (checked(i)) tile(Flag<true>(), Flag<false>());
+            else if (silu_act) tile(Flag<false>(), Flag<true>());
+            else tile(Flag<false>(), Flag<false>());
+            named_barrier(bar, 64);  // tile i's dz is in its buffer
+        }
+        #pragma unroll
+        for (int v = 0; v < V; ++v)
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                write_sum(partials, dweight, dbias, p, b * groups_per_row + group, c0 + v, k, scale * dw[k][v]);
     }
 }

@@ -286,6 +286,7 @@ def test_channel_groups(launches, monkeypatch, shape, tiles):
     the resident warps, as even as they can be, of CHANNEL_MIN_STEPS to CHANNEL_STEPS steps, longer
     where groups that short would take more than one wave."""
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
+    monkeypatch.setattr(_backward_plan, "_channel_pairs", lambda *args: False)
     batch, dim, seqlen = shape
     call(cl(batch, dim, seqlen, dtype=np.float16))
     name, plan, params = launches["launches"][0]
@@ -311,6 +312,7 @@ def test_channel_block_sums(launches, monkeypatch, shape, tiles):
     warps with at most CHANNEL_BLOCK_STEPS steps each, one block a strip adds dweight and dbias
     itself (one part: no partials, no bwd_reduce); elsewhere the groups of test_channel_groups."""
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 5)
+    monkeypatch.setattr(_backward_plan, "_channel_pairs", lambda *args: False)
     batch, dim, seqlen = shape
     call(cl(batch, dim, seqlen, dtype=np.float16))
     name, plan, params = launches["launches"][0]
@@ -322,6 +324,53 @@ def test_channel_block_sums(launches, monkeypatch, shape, tiles):
         assert names(launches) == ["bwd_channel"] and params["pointers"][11] == 0  # partials
     else:
         assert params["group_tiles"] * STEPS <= _backward_plan.CHANNEL_STEPS
+
+
+@pytest.mark.parametrize(
+    "shape,tiles",
+    [
+        ((8, 5120, 2048), 86),  # 320 rows (batch rows x strips of 128 channels): 3 groups a row
+        ((1, 4096, 16384), 63),  # 32 rows: 33 groups a row (a wave of 1056 pairs)
+        ((64, 1024, 512), 32),  # 512 rows: 2 groups a row
+    ],
+)
+def test_channel_pairs(launches, monkeypatch, shape, tiles):
+    """bwd_channel_pair (16-bit x in whole strips of 128 channels): a pair of warps a group, the
+    groups planned as bwd_channel's over the resident pairs (here 132 SMs x 4 blocks of 2)."""
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 4)
+    batch, dim, seqlen = shape
+    call(cl(batch, dim, seqlen, dtype=np.float16))
+    name, plan, params = launches["launches"][0]
+    assert plan.name == "bwd_channel_pair<__half, 4, 8, 3, 2>" and plan.block == (128, 1)
+    assert params["group_tiles"] == tiles and not params["block_sum"]
+    groups = -(-seqlen // (STEPS * tiles))
+    assert params["group_divisor"] == _launch.fast_divisor(groups)
+    assert params["strip_divisor"] == _launch.fast_divisor(dim // 128)
+    assert plan.grid * 2 >= batch * (dim // 128) * groups
+
+
+def test_channel_pairs_where_they_apply(launches):
+    """bwd_channel_pair takes 16-bit x without seq_idx at widths 1, 2 and 4, whole strips of
+    128 channels in 16-byte aligned rows, dout and dx in 8-byte vectors; bwd_channel the rest."""
+    seq_idx = FakeCudaArray((2, 512), dtype=np.int32)
+    # 256 channels of a 264-channel projection, from channel 8 (16 bytes) or 4 (8 bytes)
+    sliced = FakeCudaArray((2, 256, 512), (512 * 264, 1, 264), np.float16, offset=8)
+    odd = FakeCudaArray((2, 256, 512), (512 * 264, 1, 264), np.float16, offset=4)
+    cases = [
+        (cl(2, 256, 512, np.float16), {}, 4, "bwd_channel_pair"),
+        (cl(2, 256, 512, np.float16), {}, 2, "bwd_channel_pair"),
+        (cl(2, 256, 512, np.float16), {}, 1, "bwd_channel_pair"),
+        (cl(2, 256, 512, np.float16), {}, 3, "bwd_channel"),  # a 9-step tile
+        (cl(2, 256, 512, np.float16), {"seq_idx": seq_idx}, 4, "bwd_channel"),
+        (cl(2, 192, 512, np.float16), {}, 4, "bwd_channel"),  # a strip of 64 channels left
+        (cl(2, 256, 512, np.float32), {}, 4, "bwd_channel"),
+        (sliced, {}, 4, "bwd_channel_pair"),
+        (odd, {}, 4, "bwd_channel"),
+    ]
+    for x, kw, width, kernel in cases:
+        launches["launches"].clear()
+        call(x, width, **kw)
+        assert names(launches)[0] == kernel, (x.__cuda_array_interface__, width, kw)
 
 
 def test_fields_match_the_structs():

@@ -812,6 +812,35 @@ def test_channel_block_sums(monkeypatch, batch, dim, seqlen, width, dtype, featu
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("layout", ("cl", "cl_slice"))
+@pytest.mark.parametrize("width", (1, 2, 4))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("features", ("init-dfinal", "nobias-nosilu", "buffers"))
+def test_channel_pairs(monkeypatch, layout, width, dtype, features):
+    """bwd_channel_pair (warps in pairs on strips of 128 channels) against the oracle, on rows of
+    three groups of 512 steps, the last cut inside a tile; and bitwise bwd_channel's results
+    where both take those groups."""
+    import torch
+
+    from cupyconv import _backward_plan, _fast
+
+    tiles = _backward_plan._channel_group_tiles
+    most = lambda row_tiles, rows, steps, slots: tiles(row_tiles, rows, steps, 0)  # noqa: E731
+    monkeypatch.setattr(_backward_plan, "_channel_group_tiles", most)
+    case = dict(layout=layout, seed=width, **features_of(features))
+    results = []
+    for pairs in (True, False):
+        if not pairs:
+            monkeypatch.setattr(_backward_plan, "_channel_pairs", lambda *args: False)
+        monkeypatch.setattr(_backward_plan, "_plans", {})
+        monkeypatch.setattr(_fast, "_calls", {})
+        results.append(run_bwd(2, 256, 1100, width, dtype, **case))
+        (plan,) = _backward_plan._plans.values()
+        want = "bwd_channel_pair<" if pairs else "bwd_channel<"
+        assert plan.launches[0].name.startswith(want), plan.launches[0].name
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("features", ["seq-padding", "seq-init-dfinal", "nobias-nosilu", "buffers"])
 @pytest.mark.parametrize("width", (3, 12))
 def test_channel_groups_features(channel_groups, features, width):

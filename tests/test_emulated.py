@@ -214,6 +214,7 @@ def templates(launches):
 # (shape, width, layout, dtype, weight dtype, features, arch) -> the kernel template expected
 SHAPE, LONG, WHOLE = (2, 40, 300), (1, 36, 700), (1, 8, 512)
 SHORT = (2, 40, 50)  # bwd_channel's block sums
+STRIPS = (2, 256, 300)  # whole strips of 128 channels: bwd_channel_pair
 FORWARD = {
     (SHAPE, 4, "cf", "bfloat16", None, (), 900): "fwd_time",
     (SHAPE, 4, "cl", "bfloat16", None, (), 900): "fwd_channel",
@@ -239,6 +240,10 @@ BACKWARD = {
     (SHORT, 4, "cl", "bfloat16", None, ("seq_idx", "states"), 900): "bwd_channel",
     (SHORT, 12, "cl_odd", "float32", None, (), 900): "bwd_channel",
     (SHAPE, 3, "cl", "float16", None, ("dout_cf",), 900): "bwd_channel",
+    (STRIPS, 4, "cl", "bfloat16", None, ("states",), 900): "bwd_channel_pair",
+    (STRIPS, 2, "cl_slice", "float16", None, (), 900): "bwd_channel_pair",
+    (STRIPS, 1, "cl", "bfloat16", None, ("non_finite",), 900): "bwd_channel_pair",
+    (STRIPS, 4, "cl", "float16", None, (), 800): "bwd_channel_pair",
     (LONG, 16, "cf", "bfloat16", None, (), 900): "bwd_mma_time",
     (SHAPE, 33, "cf", "bfloat16", None, ("states",), 900): "bwd_mma_time",
     (SHAPE, 40, "cf", "bfloat16", None, ("states",), 900): "bwd_mma",
