@@ -1,18 +1,19 @@
 """Kernel instances compile with NVRTC without a GPU, with the options CuPy passes itself.
 
 Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
-``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles a
-representative set: every forward kernel family for every dtype, and every backward family for
-a 2-byte and the 8-byte dtype, and the update and varlen families, for sm_90. The ``sweep``
-marker (run by ``.ci/run``) compiles, several instances per NVRTC program and the programs in
-parallel processes:
+``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles
+bwd_mma_time and the update and varlen families for sm_90 (``tests/test_main.py`` compiles the
+default problem's kernels through the command line). The ``sweep`` marker (run by ``.ci/run``)
+compiles every forward kernel family for every dtype and every backward family for a 2-byte and
+the 8-byte dtype for sm_90, and, several instances per NVRTC program and the programs in parallel
+processes:
 
 - every instance the dispatchers can produce, of every operator, dtype and width (1420), through
   NVRTC's front end for compute_80 and compute_90 (``-G``: templates, static_asserts and each
   architecture's code paths, without the optimiser, about 0.05 s an instance);
 - every bfloat16 and float32 forward instance in full for sm_90 (optimiser and ptxas);
 - in full for sm_90, every backward family of float16 and float32 at width 4 (bfloat16 and
-  float64: the default set); for sm_80, every forward family and dtype, the bfloat16 backward's
+  float64: their families above); for sm_80, every forward family and dtype, the bfloat16 backward's
   families, the update of every dtype and varlen.
 
 Compiling every instance in full (about 1.5 s of CPU each, ptxas half of it) would take the
@@ -99,6 +100,7 @@ def _cost(name: str) -> int:
     return int(name.split(",")[1]) if name.split("<")[0] in ("fwd_time", "bwd_time") else 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", list(C_TYPES))
 def test_every_forward_family_compiles(dtype):
     instances = forward_families((dtype,))
@@ -106,6 +108,7 @@ def test_every_forward_family_compiles(dtype):
         assert len(compile_offline(source, names, "sm_90")) > 1000
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_every_backward_family_compiles(dtype):
     """bwd_time (short and long rows), bwd_channel and the general kernels at width 4, and
@@ -163,7 +166,7 @@ def test_every_bfloat16_and_float32_forward_instance_compiles_for_sm_90():
 
 @pytest.mark.sweep
 def test_representative_backward_instances_compile_for_sm_90():
-    """float16 and float32, every family at width 4 (bfloat16 and float64: the default tests)."""
+    """float16 and float32, every family at width 4 (bfloat16 and float64: their families above)."""
     instances = all_backward_instances(dtypes=("float16", "float32"), widths=(4,))
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
 
