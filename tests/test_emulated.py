@@ -352,6 +352,18 @@ def test_grid_dtypes(pair, width, layout, features):
     backward_case(SHAPE, width, layout, *pair, features)
 
 
+@pytest.mark.emulation
+@pytest.mark.parametrize(
+    "width,layout,dtype,features",
+    itertools.product((1, 2, 4), ("cl", "cl_slice"), ("bfloat16", "float16"), ((), ("states",))),
+)
+def test_grid_channel_pairs(width, layout, dtype, features):
+    """bwd_channel_pair (whole strips of 128 channels) at every width it takes, and rows whose
+    last tile the row's end cuts (301 steps)."""
+    ran = backward_case((2, 256, 301), width, layout, dtype, None, features)
+    assert "bwd_channel_pair" in templates(ran), ran
+
+
 @pytest.mark.parametrize(
     "width,layout", [(4, "cf"), (4, "cl"), (16, "cl"), (33, "cf"), (40, "cl"), (66, "cl")]
 )
