@@ -257,20 +257,9 @@ MMA_CL = Kernel(
 STATES = Kernel("bwd_states", "bwd_general.cu", "BwdStatesParams", pdl=True)
 REDUCE = Kernel("bwd_reduce", "bwd_general.cu", "BwdReduceParams", pdl=True)
 KERNELS = (
-    TIME,
-    CHANNEL,
-    CHANNEL_PAIR,
-    MMA,
-    MMA_TIME,
-    MMA_BLOCK,
-    MMA_CL,
-    WIDE,
-    DZ,
-    DX,
-    WEIGHT,
-    STATES,
+    TIME, CHANNEL, CHANNEL_PAIR, MMA, MMA_TIME, MMA_BLOCK, MMA_CL, WIDE, DZ, DX, WEIGHT, STATES,
     REDUCE,
-)
+)  # fmt: skip
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_backward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
