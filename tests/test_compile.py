@@ -2,9 +2,10 @@
 
 Uses the NVRTC and CUDA headers of the ``cuda-bindings`` / ``nvidia-cuda-nvrtc`` /
 ``nvidia-cuda-runtime`` wheels (the ``cuda13`` or ``cuda12`` extra). The default run compiles
-bwd_mma_time and the update and varlen families for sm_90 (``tests/test_main.py`` compiles the
-default problem's kernels through the command line). The ``sweep`` marker (run by ``.ci/run``)
-compiles, several instances per NVRTC program and the programs in parallel processes:
+the update and varlen families for sm_90 (``tests/test_main.py`` compiles the default problem's
+kernels through the command line). The ``sweep`` marker (run by ``.ci/run``) compiles
+bwd_mma_time at every k-step count and the benchmarks' own kernels, and, several instances per
+NVRTC program and the programs in parallel processes:
 
 - every instance the dispatchers can produce, of every operator, dtype and width (1420), through
   NVRTC's front end for compute_80 and compute_90 (``-G``: templates, static_asserts and each
@@ -118,6 +119,7 @@ def test_every_family_compiles_for_sm_90():
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
 
 
+@pytest.mark.sweep
 def test_time_tensor_core_backward_compiles():
     """bwd_mma_time at every k-step count it takes (widths 16 and 31; at 3 k-steps both chunk
     shapes) for sm_90, and at KS 2 for sm_80 (its register transposes, movmatrix, are sm_75 and
@@ -194,6 +196,7 @@ def test_front_end_compile_checks_static_assertions():
         )
 
 
+@pytest.mark.sweep
 def test_tensor_core_rate_kernels_build_for_sm_90a():
     """benchmarks/mma_rate.py: its wgmma kernels need an sm_90a target, which it gives beside
     the -arch=sm_90 CuPy appends; NVRTC takes the pair, and ptxas does not serialise the wgmma
@@ -205,6 +208,7 @@ def test_tensor_core_rate_kernels_build_for_sm_90a():
     assert "C7515" not in log, log
 
 
+@pytest.mark.sweep
 def test_channel_last_pattern_kernels_build():
     """benchmarks/ceiling_cl.py: the copy kernels that stand for fwd_mma_cl's memory pattern
     compile for sm_90 with CuPy's options."""
@@ -214,6 +218,7 @@ def test_channel_last_pattern_kernels_build():
     assert ok, log
 
 
+@pytest.mark.sweep
 def test_tf32_channel_last_kernels_build():
     """benchmarks/tf32_cl.py: the TF32 channel-last forward (float32 and bfloat16 x) and the
     TF32 MMA rate kernels compile for sm_90 with CuPy's options."""
