@@ -341,9 +341,9 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
 // a group of a strip of 32 lanes x 4 channels, so that every staged row is 256 bytes: the pair's
 // first warp stages x and dout (BUFS tiles of R rows in flight), computes dz and dweight's sums
 // and writes each tile's dz into one of two shared tiles; its second warp reads that tile one
-// barrier later, computes and stores dx and sums dbias. The pair meets at one named barrier (id 1 + pair) a
-// tile and one a group: the first warp writes tile i's dz after the barrier that ends the second
-// warp's reading of tile i - 2 (the same buffer). Plan (the plan's _channel_pairs): no seq_idx,
+// barrier later, computes and stores dx and sums dbias. The pair meets at one named barrier (id
+// 1 + pair) a tile and one a group: the first warp writes tile i's dz after the barrier that ends
+// the second warp's reading of tile i - 2 (the same buffer). Plan (the plan's _channel_pairs): no seq_idx,
 // whole strips of 16-byte aligned x and dout rows, dout and dx in 8-byte lane vectors, not the
 // block sums. Per element, the arithmetic and its order are bwd_channel's (dx and the dweight /
 // dbias sums of a group: the same bits). Its register budget (CHANNEL_PAIR_WARPS_PER_SM) is
