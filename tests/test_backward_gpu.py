@@ -818,8 +818,8 @@ def test_channel_block_sums(monkeypatch, batch, dim, seqlen, width, dtype, featu
 @pytest.mark.parametrize("features", ("init-dfinal", "nobias-nosilu", "buffers"))
 def test_channel_pairs(monkeypatch, layout, width, dtype, features):
     """bwd_channel_pair (warps in pairs on strips of 128 channels) against the oracle, on rows of
-    three groups of 512 steps, the last cut inside a tile; and bitwise bwd_channel's results
-    where both take those groups."""
+    three groups of 368 steps (groups of up to CHANNEL_STEPS, evened out), the row's end inside
+    a tile; and bitwise bwd_channel's results where both take those groups."""
     import torch
 
     from cupyconv import _backward_plan, _fast
