@@ -859,26 +859,27 @@ def _channel_group_tiles(row_tiles: int, rows: int, steps: int, slots: int) -> i
 def _plan_channel(x, dout, dx, width, has_seq, states, itemsize, device) -> BackwardPlan:
     batch, dim, seqlen = x.shape
     steps, lane_bytes, _, warps = _channel_tile(x.dtype_name, width)
-    name = _channel_name(x.dtype_name, width, has_seq)
     strips = -(-dim // (32 * lane_bytes // itemsize))
-    slots = resident_blocks(device, CHANNEL.source, name, 32 * warps, 0) * warps
     row_tiles = -(-seqlen // steps)
-    tiles = _channel_group_tiles(row_tiles, batch * strips, steps, slots)
-    groups = -(-seqlen // (steps * tiles))
-    grid = _grid(batch * groups * strips, warps)
-    block_tiles = 0  # block sums: a block a strip
-    if batch * groups > 1 and strips <= MAX_GRID:
-        block_tiles = _channel_block_tiles(row_tiles, batch, steps, warps)
-    block_sum, kernel = block_tiles > 0, CHANNEL
-    if block_sum:  # one block a strip, its warps a batch row's groups each
-        tiles, groups, grid = block_tiles, -(-row_tiles // block_tiles), strips
-    elif _channel_pairs(x, dout, dx, width, has_seq):  # a pair of warps a group of 128 channels
-        name, pairs, kernel = _pair_name(x.dtype_name, width), CHANNEL_PAIRS, CHANNEL_PAIR
-        strips, warps = dim // 128, 2 * pairs
-        slots = resident_blocks(device, CHANNEL_PAIR.source, name, 64 * pairs, 0) * pairs
+    block_tiles = _channel_block_tiles(row_tiles, batch, steps, warps) if strips <= MAX_GRID else 0
+    pairs = _channel_pairs(x, dout, dx, width, has_seq)
+    block_sum, kernel = False, CHANNEL
+    if block_tiles or not pairs:  # bwd_channel's groups: the block sums' test, or its plan
+        name = _channel_name(x.dtype_name, width, has_seq)
+        slots = resident_blocks(device, CHANNEL.source, name, 32 * warps, 0) * warps
         tiles = _channel_group_tiles(row_tiles, batch * strips, steps, slots)
         groups = -(-seqlen // (steps * tiles))
-        grid = _grid(batch * groups * strips, pairs)
+        grid = _grid(batch * groups * strips, warps)
+        block_sum = block_tiles > 0 and batch * groups > 1
+    if block_sum:  # one block a strip, its warps a batch row's groups each
+        tiles, groups, grid = block_tiles, -(-row_tiles // block_tiles), strips
+    elif pairs:  # a pair of warps a group of 128 channels
+        name, kernel = _pair_name(x.dtype_name, width), CHANNEL_PAIR
+        strips, warps = dim // 128, 2 * CHANNEL_PAIRS
+        slots = resident_blocks(device, CHANNEL_PAIR.source, name, 32 * warps, 0) * CHANNEL_PAIRS
+        tiles = _channel_group_tiles(row_tiles, batch * strips, steps, slots)
+        groups = -(-seqlen // (steps * tiles))
+        grid = _grid(batch * groups * strips, CHANNEL_PAIRS)
     launch = kernel.launch(
         name, grid, (32 * warps, 1), dout_aligned=_channel_vectors(dout, lane_bytes),
         dx_aligned=_channel_vectors(dx, lane_bytes),

@@ -336,10 +336,18 @@ def test_channel_block_sums(launches, monkeypatch, shape, tiles):
 )
 def test_channel_pairs(launches, monkeypatch, shape, tiles):
     """bwd_channel_pair (16-bit x in whole strips of 128 channels): a pair of warps a group, the
-    groups planned as bwd_channel's over the resident pairs (here 132 SMs x 4 blocks of 2)."""
-    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132 * 4)
+    groups planned as bwd_channel's over the resident pairs (here 132 SMs x 4 blocks of 2). Its
+    plan asks the occupancy of no other kernel (each one asked is compiled)."""
+    asked = []
+
+    def resident_blocks(device, source, name, threads, smem):
+        asked.append(name)
+        return 132 * 4
+
+    monkeypatch.setattr(_backward_plan, "resident_blocks", resident_blocks)
     batch, dim, seqlen = shape
     call(cl(batch, dim, seqlen, dtype=np.float16))
+    assert asked == ["bwd_channel_pair<__half, 4, 8, 3, 2>"]
     name, plan, params = launches["launches"][0]
     assert plan.name == "bwd_channel_pair<__half, 4, 8, 3, 2>" and plan.block == (128, 1)
     assert params["group_tiles"] == tiles and not params["block_sum"]
