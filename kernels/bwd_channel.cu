@@ -30,6 +30,22 @@
 //       16-bit x on strips of 128 channels by pairs of warps (below).
 #include "bwd_common.cuh"
 
+// gd (dout at step u of a round of K) times SiLU's derivative at the step's recomputed
+// pre-activation: the taps over the x ring's slots (u + k) mod K, where same(k) (with seq_idx:
+// tap k's position in the step's sequence).
+template <int K, int V, typename A, typename Same>
+__device__ __forceinline__ void times_silu_grad(A (&gd)[V], const A (&w)[K][V], const A (&bias_v)[V],
+                                                const A (&xw)[K][V], int u, Same same) {
+    #pragma unroll
+    for (int v = 0; v < V; ++v) {
+        A z = bias_v[v];
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (same(k)) z += w[k][v] * xw[(u + k) % K][v];
+        gd[v] *= silu_grad_scaled(z);
+    }
+}
+
 template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES / sizeof(T), K) / WARPS)
     bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
@@ -230,21 +246,8 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                     if constexpr (SEQ) ids[own] = id_at(pos);
                     A gd[V];
                     widen<T, A, V>(drow.e, gd);
-                    if (CHECKED ? silu_act : SILU) {
-                        #pragma unroll
-                        for (int v = 0; v < V; ++v) {
-                            A z = bias_v[v];
-                            #pragma unroll
-                            for (int k = 0; k < K; ++k) {
-                                if constexpr (SEQ) {
-                                    if (ids[(u + k) % K] == ids[own]) z += w[k][v] * xw[(u + k) % K][v];
-                                } else {
-                                    z += w[k][v] * xw[(u + k) % K][v];
-                                }
-                            }
-                            gd[v] *= silu_grad_scaled(z);
-                        }
-                    }
+                    auto same = [&](int k) { return !SEQ || ids[(u + k) % K] == ids[own]; };
+                    if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, same);
                     const bool live = !CHECKED || pos < seqlen;
                     #pragma unroll
                     for (int v = 0; v < V; ++v) {
@@ -516,15 +519,7 @@ __global__ void __launch_bounds__(64 * PAIRS, CHANNEL_PAIR_WARPS_PER_SM / (2 * P
                         widen<T, A, V>(xrow.e, xw[own]);
                         A gd[V];
                         widen<T, A, V>(drow.e, gd);
-                        if (CHECKED ? silu_act : SILU) {
-                            #pragma unroll
-                            for (int v = 0; v < V; ++v) {
-                                A z = bias_v[v];
-                                #pragma unroll
-                                for (int k = 0; k < K; ++k) z += w[k][v] * xw[(u + k) % K][v];
-                                gd[v] *= silu_grad_scaled(z);
-                            }
-                        }
+                        if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, [](int) { return true; });
                         const bool live = !CHECKED || pos < seqlen;
                         A dz[V];
                         #pragma unroll
