@@ -46,6 +46,22 @@ __device__ __forceinline__ void times_silu_grad(A (&gd)[V], const A (&w)[K][V], 
     }
 }
 
+// step(row, u, r) for tile i's steps in rounds of K: its row in the tile, u = row mod K (a
+// compile-time constant once unrolled), r = i R + row the group's step; where CHECKED, up to the
+// group's last step (steps).
+template <int R, int K, bool CHECKED, typename Step>
+__device__ __forceinline__ void tile_steps(int i, int steps, Step step) {
+    #pragma unroll 1
+    for (int r0 = 0; r0 < R; r0 += K) {
+        #pragma unroll
+        for (int u = 0; u < K; ++u) {
+            const int r = i * R + r0 + u;
+            if (CHECKED && r >= steps) break;
+            step(r0 + u, u, r);
+        }
+    }
+}
+
 template <typename T, int K, bool SEQ, int R, int BYTES, int BUFS, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES / sizeof(T), K) / WARPS)
     bwd_channel(BWD_ARRAYS, const __grid_constant__ BwdChannelParams p) {
@@ -405,33 +421,27 @@ __global__ void __launch_bounds__(64 * PAIRS, CHANNEL_PAIR_WARPS_PER_SM / (2 * P
                 const float4* const dzt = dz_mem[pair][i & 1] + lane;
                 auto tile = [&](auto checked_flag) {
                     constexpr bool CHECKED = decltype(checked_flag)::value;
-                    #pragma unroll 1
-                    for (int r0 = 0; r0 < R; r0 += K) {
-                        #pragma unroll
-                        for (int u = 0; u < K; ++u) {
-                            const int r = i * R + r0 + u;
-                            if (CHECKED && r >= steps) break;
-                            const int own = (u + W) % K;
-                            const float4 d = dzt[32 * (r0 + u)];
-                            dzw[own][0] = d.x, dzw[own][1] = d.y, dzw[own][2] = d.z, dzw[own][3] = d.w;
-                            if (!CHECKED || r < len) {
-                                #pragma unroll
-                                for (int v = 0; v < V; ++v) db[v] += dzw[own][v];
-                            }
-                            if (!CHECKED || r >= W) {
-                                VecT res;
-                                #pragma unroll
-                                for (int v = 0; v < V; ++v) {
-                                    A acc = A(0);
-                                    #pragma unroll
-                                    for (int k = 0; k < K; ++k) acc += w[k][v] * dzw[(u + W - k) % K][v];
-                                    res.e[v] = from_acc<T>(acc);
-                                }
-                                *reinterpret_cast<Raw*>(dxp) = res.raw;
-                                dxp += dx_l_stride;
-                            }
+                    tile_steps<R, K, CHECKED>(i, steps, [&](int row, int u, int r) {
+                        const int own = (u + W) % K;
+                        const float4 d = dzt[32 * row];
+                        dzw[own][0] = d.x, dzw[own][1] = d.y, dzw[own][2] = d.z, dzw[own][3] = d.w;
+                        if (!CHECKED || r < len) {
+                            #pragma unroll
+                            for (int v = 0; v < V; ++v) db[v] += dzw[own][v];
                         }
-                    }
+                        if (!CHECKED || r >= W) {
+                            VecT res;
+                            #pragma unroll
+                            for (int v = 0; v < V; ++v) {
+                                A acc = A(0);
+                                #pragma unroll
+                                for (int k = 0; k < K; ++k) acc += w[k][v] * dzw[(u + W - k) % K][v];
+                                res.e[v] = from_acc<T>(acc);
+                            }
+                            *reinterpret_cast<Raw*>(dxp) = res.raw;
+                            dxp += dx_l_stride;
+                        }
+                    });
                 };
                 if (checked(i)) tile(Flag<true>());
                 else tile(Flag<false>());
@@ -505,35 +515,29 @@ __global__ void __launch_bounds__(64 * PAIRS, CHANNEL_PAIR_WARPS_PER_SM / (2 * P
             float4* const dzt = dz_mem[pair][i & 1] + lane;
             auto tile = [&](auto checked_flag, auto silu_flag) {
                 constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value;
-                #pragma unroll 1
-                for (int r0 = 0; r0 < R; r0 += K) {
+                tile_steps<R, K, CHECKED>(i, steps, [&](int row, int u, int r) {
+                    const int64 pos = g0 + r;
+                    const int own = (u + W) % K;
+                    VecT xrow, drow;
+                    xrow.raw = st[32 * row];
+                    drow.raw = st[32 * (R + row)];
+                    widen<T, A, V>(xrow.e, xw[own]);
+                    A gd[V];
+                    widen<T, A, V>(drow.e, gd);
+                    if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, [](int) { return true; });
+                    const bool live = !CHECKED || pos < seqlen;
+                    A dz[V];
                     #pragma unroll
-                    for (int u = 0; u < K; ++u) {
-                        const int r = i * R + r0 + u;
-                        if (CHECKED && r >= steps) break;
-                        const int64 pos = g0 + r;
-                        const int own = (u + W) % K;
-                        VecT xrow, drow;
-                        xrow.raw = st[32 * (r0 + u)];
-                        drow.raw = st[32 * (R + r0 + u)];
-                        widen<T, A, V>(xrow.e, xw[own]);
-                        A gd[V];
-                        widen<T, A, V>(drow.e, gd);
-                        if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, [](int) { return true; });
-                        const bool live = !CHECKED || pos < seqlen;
-                        A dz[V];
+                    for (int v = 0; v < V; ++v) dz[v] = live ? gd[v] : A(0);
+                    if (!CHECKED || pos < g1) {
                         #pragma unroll
-                        for (int v = 0; v < V; ++v) dz[v] = live ? gd[v] : A(0);
-                        if (!CHECKED || pos < g1) {
+                        for (int v = 0; v < V; ++v) {
                             #pragma unroll
-                            for (int v = 0; v < V; ++v) {
-                                #pragma unroll
-                                for (int k = 0; k < K; ++k) dw[k][v] += dz[v] * xw[(u + k) % K][v];
-                            }
+                            for (int k = 0; k < K; ++k) dw[k][v] += dz[v] * xw[(u + k) % K][v];
                         }
-                        dzt[32 * (r0 + u)] = make_float4(dz[0], dz[1], dz[2], dz[3]);
                     }
-                }
+                    dzt[32 * row] = make_float4(dz[0], dz[1], dz[2], dz[3]);
+                });
             };
             if (checked(i)) tile(Flag<true>(), Flag<false>());
             else if (silu_act) tile(Flag<false>(), Flag<true>());
