@@ -85,6 +85,11 @@ MMA_TIME_MIN_CHUNKS = 4
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
+# fwd_mma's channel-contiguous form: buffers of rows tried in turn (two: an item's window while
+# the item before's outputs go out, one barrier an item; one: the outputs out between two
+# barriers), each at the longest span whose blocks fit the device; the first that fits is taken
+# (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
+MMA_CL_ROW_BUFFERS = (2, 1)
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches
 # measured, on an H100"; KS 6 / 7 10-22 % faster than fwd_mma: "fwd_mma_cl in 8-warp blocks at
@@ -144,7 +149,10 @@ TIME = Kernel(
 )  # fmt: skip
 MMA = Kernel(
     "fwd_mma", "fwd_mma.cu", "FwdMmaParams",
-    (*_ALIGNED, "span", "run", "sweep", "row_len", "staging_at", "weights_at", "out_at"),
+    (
+        *_ALIGNED, "span", "run", "sweep", "row_len", "two_rows", "staging_at", "weights_at",
+        "out_at",
+    ),
     pdl=True,
 )  # fmt: skip
 MMA_TIME = Kernel(
@@ -379,7 +387,8 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     a run of items: spans of up to MMA_SPAN (MMA_CL_SPAN) outputs of a row. Spans shrink while
     the blocks an SM is compiled for would not fit its shared memory, or the items would not
     fill the device twice over. The block's shared memory: the rows (D inputs before the span,
-    then the span; channel-contiguous rows padded to 8 mod 16 elements against bank conflicts),
+    then the span; channel-contiguous rows padded to 8 mod 16 elements against bank conflicts,
+    in two buffers where they fit at some span),
     for channel-contiguous x the staging area of the next item's window (for a split window each
     warp's high and low bfloat16 rows), then each row's (time-contiguous: each warp's) zero-
     padded taps (2 D + 32 floats), then for channel-contiguous x each warp's output block (16
@@ -399,9 +408,9 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
         warps, channels, per_sm = CONSTANTS["MMA_WARPS"], 1, 1
         rows = 2 * warps
 
-    def layout(span):
+    def layout(span, buffers):
         row_len = d + span + ((8 - d - span) % 16 if channel_last else 0)
-        staging_at = -(-rows * row_len * itemsize // 16) * 16
+        staging_at = -(-rows * row_len * itemsize * buffers // 16) * 16
         staged = (d + span) * channels * 2 if channel_last else warps * row_len * 4 * xsplit
         weights_at = staging_at + staged
         out_at = weights_at + (channels if channel_last else warps) * (2 * d + 32) * 4
@@ -417,14 +426,17 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
         return -(-dim // channels) * batch * -(-seqlen // span)
 
     longest = CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_XSPLIT_SPAN if xsplit else MMA_SPAN
-    span = min(longest, -(-seqlen // step) * step)
-    while span > step and not blocks_fit(device, layout(span)[4], per_sm):
-        span = span // 2 // step * step
-    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span)[4])
+    for buffers in MMA_CL_ROW_BUFFERS if channel_last else (1,):
+        span = min(longest, -(-seqlen // step) * step)
+        while span > step and not blocks_fit(device, layout(span, buffers)[4], per_sm):
+            span = span // 2 // step * step
+        if blocks_fit(device, layout(span, buffers)[4], per_sm):
+            break
+    resident = resident_blocks(device, MMA.source, name, 32 * warps, layout(span, buffers)[4])
     per_block = 1 if channel_last else warps  # items a block computes at once
     while span > step and items(span) < 2 * resident * per_block:
         span = span // 2 // step * step
-    row_len, staging_at, weights_at, out_at, smem = layout(span)
+    row_len, staging_at, weights_at, out_at, smem = layout(span, buffers)
     resident = resident_blocks(device, MMA.source, name, 32 * warps, smem)
     spans = -(-seqlen // span)
     # channel-contiguous x: units of `run` spans of a row, at least two a block where the rows
@@ -440,8 +452,8 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     return MMA.launch(
         name, grid, (32 * warps, 1), smem,
         x_aligned=rows_aligned(x, along), out_aligned=rows_aligned(out, along),
-        span=span, run=run, sweep=sweep, row_len=row_len, staging_at=staging_at,
-        weights_at=weights_at, out_at=out_at,
+        span=span, run=run, sweep=sweep, row_len=row_len, two_rows=buffers == 2,
+        staging_at=staging_at, weights_at=weights_at, out_at=out_at,
     )  # fmt: skip
 
 

@@ -314,6 +314,26 @@ def test_varlen_states():
     assert templates(varlen_case([300], 40, 8, "float32")) == {"varlen_states"}
 
 
+@pytest.mark.parametrize("buffers", (2, 1))
+def test_channel_last_rows_buffers(monkeypatch, buffers):
+    """fwd_mma's channel-contiguous form with its rows in two buffers and in one (where two do
+    not fit), each of its two blocks taking several items (spans of a row, strips of channels,
+    the last one cut by dim)."""
+    from cupyconv import _forward_plan
+
+    made = []
+    plan_mma = _forward_plan._plan_mma
+    monkeypatch.setattr(
+        _forward_plan, "_plan_mma", lambda *a: made.append(plan_mma(*a)) or made[-1]
+    )
+    monkeypatch.setattr(_forward_plan, "MMA_CL_ROW_BUFFERS", (buffers,))
+    assert "fwd_mma" in templates(forward_case((2, 40, 1100), 100, "cl", features=("states",)))
+    fields = dict(zip(_forward_plan.MMA.plan_fields, made[0].plan_fields, strict=True))
+    assert fields["two_rows"] == (buffers == 2) and made[0].grid == 2
+    items = 3 * 2 * -(-1100 // fields["span"])  # (channel strips x batch rows x spans)
+    assert items >= 3 * made[0].grid
+
+
 def test_the_cases_launch_every_kernel():
     """Every kernel template of the forward and backward is the expected kernel of a case (and
     the cases check that they launch it), or is launched beside one (the final states, the

@@ -287,6 +287,30 @@ def test_tensor_core_runs_of_spans(layout):
     run_case(8, 320, 7000, 17, "bfloat16", layout=layout, init=True, final=True, seed=5)
 
 
+@pytest.mark.parametrize("buffers", (2, 1))
+@pytest.mark.parametrize("blocks", (1, 3))
+@pytest.mark.parametrize(
+    "dtype,wdtype,width",
+    [("bfloat16", "bfloat16", 100), ("float16", "float32", 16), ("bfloat16", "bfloat16", 256)],
+)
+def test_channel_last_rows_buffers(monkeypatch, buffers, blocks, dtype, wdtype, width):
+    """fwd_mma's channel-contiguous form with its rows in two buffers (an item's outputs sent out
+    after the next item's barrier, the last after the loop) and in one (where two do not fit),
+    on grids of one and three blocks: runs of several items a block, rows of several spans
+    ending inside one, states before each row, final states; a strip of channels cut by dim."""
+    from cupyconv import _fast, _forward_plan
+
+    resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
+    monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *a: min(blocks, resident(*a)))
+    monkeypatch.setattr(_forward_plan, "MMA_CL_ROW_BUFFERS", (buffers,))
+    monkeypatch.setattr(_forward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    run_case(2, 37, 2600, width, dtype, wdtype, layout="cl", init=True, final=True, seed=width)
+    (plan,) = [p for p in _forward_plan._plans.values() if p.name.startswith("fwd_mma<")]
+    fields = dict(zip(_forward_plan.MMA.plan_fields, plan.plan_fields, strict=True))
+    assert fields["two_rows"] == (buffers == 2) and -(-2600 // fields["span"]) >= 2
+
+
 @pytest.mark.parametrize("sweep", (True, False))
 @pytest.mark.parametrize("blocks", (1, 3))
 @pytest.mark.parametrize(
