@@ -47,6 +47,7 @@ CONSTANTS = {
     "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
+    "MMA_CL_TWO_ROWS_STEPS": 9,  # fwd_mma: channel-contiguous rows in two buffers up to this KS
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 8,  # fwd_mma_cl: warps a block (4 channels each), one barrier a step
@@ -85,10 +86,12 @@ MMA_TIME_MIN_CHUNKS = 4
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
-# fwd_mma's channel-contiguous form: buffers of rows tried in turn (two: an item's window while
-# the item before's outputs go out, one barrier an item; one: the outputs out between two
-# barriers), each at the longest span whose blocks fit the device; the first that fits is taken
-# (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
+# fwd_mma's channel-contiguous form with taps of x's dtype up to KS = MMA_CL_TWO_ROWS_STEPS:
+# buffers of rows tried in turn (two: an item's window while the item before's outputs go out,
+# one barrier an item; one: the outputs out between two barriers), each at the longest span
+# whose blocks fit the device; the first that fits is taken. Wider filters and split taps keep
+# one buffer (two lost 27 % at KS 17: benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows
+# in two buffers").
 MMA_CL_ROW_BUFFERS = (2, 1)
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches
@@ -388,7 +391,7 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
     the blocks an SM is compiled for would not fit its shared memory, or the items would not
     fill the device twice over. The block's shared memory: the rows (D inputs before the span,
     then the span; channel-contiguous rows padded to 8 mod 16 elements against bank conflicts,
-    in two buffers where they fit at some span),
+    up to MMA_CL_TWO_ROWS_STEPS with taps of x's dtype in two buffers where they fit at some span),
     for channel-contiguous x the staging area of the next item's window (for a split window each
     warp's high and low bfloat16 rows), then each row's (time-contiguous: each warp's) zero-
     padded taps (2 D + 32 floats), then for channel-contiguous x each warp's output block (16
@@ -426,7 +429,8 @@ def _plan_mma(x, out, width, name, device, channel_last, split) -> Launch:
         return -(-dim // channels) * batch * -(-seqlen // span)
 
     longest = CONSTANTS["MMA_CL_SPAN"] if channel_last else MMA_XSPLIT_SPAN if xsplit else MMA_SPAN
-    for buffers in MMA_CL_ROW_BUFFERS if channel_last else (1,):
+    two_rows = channel_last and not split and ks <= CONSTANTS["MMA_CL_TWO_ROWS_STEPS"]
+    for buffers in MMA_CL_ROW_BUFFERS if two_rows else (1,):
         span = min(longest, -(-seqlen // step) * step)
         while span > step and not blocks_fit(device, layout(span, buffers)[4], per_sm):
             span = span // 2 // step * step

@@ -570,7 +570,10 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
         // computing its rows of this item, so that one warp's stores overlap the others' MMAs (a
         // warp's moves of item i + 1 into item i - 1's buffer touch only the positions it has
         // sent out itself). With one buffer, a second barrier after the MMAs, then the outputs.
-        const bool two = p.two_rows != 0;
+        // Up to MMA_CL_TWO_ROWS_STEPS with taps of x's dtype (EARLY) only: beyond, the code of
+        // both orders and the early taps spill.
+        constexpr bool EARLY = !SPLIT && KS <= MMA_CL_TWO_ROWS_STEPS;
+        const bool two = EARLY && p.two_rows != 0;
         Item it = unit_item(unit), prev = it;
         load(it, end > 0);
         #pragma unroll 1
@@ -579,7 +582,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
             // A new channel's taps of the warp's first row are fetched before the window's wait,
             // its moves and the barrier, which hide their loads (fetched after the barrier, the
             // loads stalled every warp at once; the second row's are fetched where it starts).
-            if (it.new_channel && it.c + warp < dim) taps.template fetch<T, SPLIT>(weight, bias, p, it.c + warp);
+            if (EARLY && it.new_channel && it.c + warp < dim) taps.template fetch<T, SPLIT>(weight, bias, p, it.c + warp);
             cp_async_wait<0>();
             __syncwarp();  // (each warp moves only what it copied itself)
             store(it, buf);
@@ -595,7 +598,7 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
                 float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
                 if (c >= dim) break;
                 if (it.new_channel) {
-                    if (j > 0) taps.template fetch<T, SPLIT>(weight, bias, p, c);
+                    if (!EARLY || j > 0) taps.template fetch<T, SPLIT>(weight, bias, p, c);
                     taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
                 } else if constexpr (OWN > 1) {
                     Taps<KS>::template build<T, SPLIT>(rw, wr, width);

@@ -352,9 +352,11 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
         # warp's high and low bfloat16 rows
         xsplit = not cl and (itemsize == 4 or xdtype != wdtype)  # (16-bit x here: float16)
         staging = (d + fields["span"]) * rows * 2 if cl else warps * fields["row_len"] * 4 * xsplit
-        # channel-contiguous x: two buffers of rows where they fit (on sm_90 at every width)
-        assert fields["two_rows"] == cl
-        assert fields["staging_at"] >= rows * fields["row_len"] * itemsize * (2 if cl else 1)
+        # channel-contiguous x with taps of its dtype up to MMA_CL_TWO_ROWS_STEPS: two buffers
+        # of rows (on sm_90 they fit at every such width)
+        two = cl and xdtype == wdtype and ks <= _forward_plan.CONSTANTS["MMA_CL_TWO_ROWS_STEPS"]
+        assert fields["two_rows"] == two
+        assert fields["staging_at"] >= rows * fields["row_len"] * itemsize * (2 if two else 1)
         assert fields["weights_at"] == fields["staging_at"] + staging
         assert fields["out_at"] == fields["weights_at"] + (rows if cl else warps) * (2 * d + 32) * 4
         assert plan.smem == fields["out_at"] + (warps * 512 if cl else 0)
@@ -421,20 +423,23 @@ def test_channel_last_tensor_cores_where_their_block_fits(monkeypatch, limit, wi
 @pytest.mark.parametrize(
     "limit,width,wdtype,span,two",
     [
-        (SM90_SMEM, 256, "bfloat16", 1024, True),  # 166,400 bytes
-        (SM80_SMEM, 256, "bfloat16", 1024, True),  # (limit 166,912)
+        (SM90_SMEM, 129, "bfloat16", 1024, True),  # KS 9: 137,728 bytes
+        (SM80_SMEM, 100, "bfloat16", 1024, True),  # KS 8: 134,144 (limit 166,912)
         (SM86_SMEM, 100, "bfloat16", 512, True),  # 84,992 (101,376)
-        (SM86_SMEM, 161, "bfloat16", 512, True),  # 95,744
-        (SM86_SMEM, 193, "bfloat16", 512, False),  # 105,472 in two buffers, 80,128 in one
-        (SM86_SMEM, 256, "bfloat16", 512, False),
-        (SM86_SMEM, 64, "float32", 512, True),  # split taps, KS 5
+        (SM86_SMEM, 129, "bfloat16", 512, True),  # 88,576
+        (70_000, 129, "bfloat16", 512, False),  # two buffers fit at no span; one 67,840
+        (SM90_SMEM, 130, "bfloat16", 1024, False),  # KS 10: one buffer (103,680)
+        (SM90_SMEM, 256, "bfloat16", 1024, False),
+        (SM90_SMEM, 64, "float32", 1024, False),  # split taps
+        (SM90_SMEM, 129, "float32", 1024, False),
     ],
 )
 def test_channel_last_rows_in_two_buffers_where_they_fit(
     monkeypatch, limit, width, wdtype, span, two
 ):
-    """fwd_mma's channel-contiguous form keeps its rows in two buffers (an item's window, the
-    item before's outputs) at the longest span where they fit, else in one."""
+    """fwd_mma's channel-contiguous form with taps of x's dtype up to MMA_CL_TWO_ROWS_STEPS
+    keeps its rows in two buffers (an item's window, the item before's outputs) at the longest
+    span where they fit, else in one; wider filters and split taps in one."""
     plan, fields = mma_plan(
         monkeypatch, (8, 5120, 2048), "cl", "bfloat16", wdtype, width, 132, limit
     )
