@@ -422,7 +422,6 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
         // and the outputs back out of the rows the same way. p.row_len = 8 mod 16 makes both
         // free of bank conflicts.
         constexpr int STEP = CLW * 16, ROWS = MMA_CL_CHANNELS;  // positions a pass, rows
-        const int BUF = ROWS * (int)row_len;  // elements of one of the two buffers of rows
         static_assert(ROWS == 16, "two 8x8 matrices of channels per 16 positions");
         T* const staging = reinterpret_cast<T*>(smem_raw + p.staging_at);
         // The 16-byte slot of channels 8 h .. 8 h + 7 at window position i.
@@ -501,15 +500,16 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
         // In: matrix rows are positions (a staged half each); lane (g, tg) gets positions 2 tg,
         // 2 tg + 1 of channel 8 hq + g, one 4-byte word of its row.
         const T* const in_from = staging + 8 * slot(8 * (mq >> 1) + mj, mq & 1);
+        unsigned* const in_to = reinterpret_cast<unsigned*>(rows + g * row_len) + tg;
         const int rows8 = 4 * row_len;  // words of 8 rows
         auto store = [&](const Item& it, int buf) {
             const int n_in = window_inputs(D, it.n_out);
-            unsigned* const in_to = reinterpret_cast<unsigned*>(rows + buf * BUF + g * row_len) + tg;
+            unsigned* const into = in_to + buf * (ROWS / 2) * row_len;  // (buffer buf)
             #pragma unroll 2
             for (int base = warp * 16; base < n_in; base += STEP) {
                 unsigned wd[4];
                 ldmatrix_x4_trans(wd, in_from + 16 * base);
-                unsigned* const to = in_to + base / 2;
+                unsigned* const to = into + base / 2;
                 to[0] = wd[0];
                 to[rows8] = wd[1];
                 to[4] = wd[2];
@@ -519,103 +519,177 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
         // Out: matrix rows are channels; lane (g, tg) gets channels 8 hq + 2 tg, 8 hq + 2 tg + 1
         // at position 8 a + g, which it writes into the warp's output block (16 positions of 32
         // bytes, halves swapped as in the staging area) for 16-byte stores.
+        const T* const out_from = rows + (8 * (mq & 1) + mj) * row_len + 8 * (mq >> 1);
         uint4* const block = reinterpret_cast<uint4*>(smem_raw + p.out_at) + 32 * warp;
         unsigned* const out_to = reinterpret_cast<unsigned*>(block) + 8 * g + tg;
         const int sw = 4 * ((g >> 2) & 1);  // words: half hq at 4 (hq ^ swapped)
-        // This warp's positions of item it's outputs (in rows buffer buf), transposed back
-        // through its output block, two passes at a time: lane (i, h) then stores channels 8 h ..
-        // 8 h + 7 at positions base + i and base + STEP + i.
-        auto emit = [&](const Item& it, int buf) {
-            const bool whole_out = out_aligned && it.c + ROWS <= dim;
-            const int i_own = lane >> 1;
-            const T* const from = rows + buf * BUF + (8 * (mq & 1) + mj) * row_len + 8 * (mq >> 1);
-            T* ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride +
-                    (it.t0 + warp * 16 + i_own) * p.out_l_stride;
-            const int64 ob_step = STEP * p.out_l_stride;
-            auto put = [&](const Vec<T>& v, T* at, int o) {
-                if (o >= it.n_out) return;
-                if (whole_out) {
-                    *reinterpret_cast<uint4*>(at) = v.raw;
-                } else {
+        Item it = unit_item(unit);
+        load(it, end > 0);
+        if constexpr (!SPLIT && KS <= MMA_CL_TWO_ROWS_STEPS) {
+            // This warp's positions of item it's outputs (in rows buffer buf), transposed back
+            // through its output block, as in the loop below.
+            auto emit = [&](const Item& it, int buf) {
+                const bool whole_out = out_aligned && it.c + ROWS <= dim;
+                const int i_own = lane >> 1;
+                const T* const from = out_from + buf * ROWS * row_len;
+                T* ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride +
+                        (it.t0 + warp * 16 + i_own) * p.out_l_stride;
+                const int64 ob_step = STEP * p.out_l_stride;
+                auto put = [&](const Vec<T>& v, T* at, int o) {
+                    if (o >= it.n_out) return;
+                    if (whole_out) {
+                        *reinterpret_cast<uint4*>(at) = v.raw;
+                    } else {
+                        #pragma unroll
+                        for (int q = 0; q < VN; ++q)
+                            if (it.c + 8 * h + q < dim) at[q * p.out_c_stride] = v.e[q];
+                    }
+                };
+                #pragma unroll 1
+                for (int base = warp * 16; base < it.n_out; base += 2 * STEP, ob += 2 * ob_step) {
+                    const bool two = base + STEP < it.n_out;
+                    unsigned wd[2][4];
+                    ldmatrix_x4_trans(wd[0], from + base);
+                    if (two) ldmatrix_x4_trans(wd[1], from + base + STEP);
+                    Vec<T> v[2];
                     #pragma unroll
-                    for (int q = 0; q < VN; ++q)
-                        if (it.c + 8 * h + q < dim) at[q * p.out_c_stride] = v.e[q];
+                    for (int k = 0; k < 2; ++k) {
+                        if (k == 1 && !two) break;
+                        out_to[sw] = wd[k][0];
+                        out_to[4 - sw] = wd[k][1];
+                        out_to[64 + sw] = wd[k][2];
+                        out_to[68 - sw] = wd[k][3];
+                        __syncwarp();
+                        v[k].raw = block[slot(i_own, h)];
+                        __syncwarp();  // the block is read before it is written again
+                    }
+                    put(v[0], ob, base + i_own);
+                    if (two) put(v[1], ob + ob_step, base + STEP + i_own);
                 }
             };
-            #pragma unroll 1
-            for (int base = warp * 16; base < it.n_out; base += 2 * STEP, ob += 2 * ob_step) {
-                const bool two = base + STEP < it.n_out;
-                unsigned wd[2][4];
-                ldmatrix_x4_trans(wd[0], from + base);
-                if (two) ldmatrix_x4_trans(wd[1], from + base + STEP);
-                Vec<T> v[2];
-                #pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    if (k == 1 && !two) break;
-                    out_to[sw] = wd[k][0];
-                    out_to[4 - sw] = wd[k][1];
-                    out_to[64 + sw] = wd[k][2];
-                    out_to[68 - sw] = wd[k][3];
-                    __syncwarp();
-                    v[k].raw = block[slot(i_own, h)];
-                    __syncwarp();  // the block is read before it is written again
+            // Warp w computes rows w, w + CLW, ... of item it in rows buffer buf (with one row a
+            // warp, its fragments stay; a new channel's first row has its taps fetched already).
+            auto compute = [&](const Item& it, int buf) {
+                #pragma unroll 1
+                for (int j = 0; j < OWN; ++j) {
+                    const int r = warp + j * CLW;
+                    const int64 c = it.c + r;
+                    float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
+                    if (c >= dim) break;
+                    if (it.new_channel) {
+                        if (j > 0) taps.template fetch<T, SPLIT>(weight, bias, p, c);
+                        taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
+                    } else if constexpr (OWN > 1) {
+                        Taps<KS>::template build<T, SPLIT>(rw, wr, width);
+                    }
+                    row_outputs<T, KS, SPLIT>(rows + (buf * ROWS + r) * row_len, nullptr, 0, it.n_out, rw, wr, x,
+                                              initial_states, p, it.b, c, it.t0);
                 }
-                put(v[0], ob, base + i_own);
-                if (two) put(v[1], ob + ob_step, base + STEP + i_own);
-            }
-        };
-        // With two buffers of rows (p.two_rows), item i's window goes into buffer i % 2 and an
-        // item takes one barrier: after it the item's window is in its buffer and the item
-        // before's outputs in the other, which each warp sends out (its own positions) before
-        // computing its rows of this item, so that one warp's stores overlap the others' MMAs (a
-        // warp's moves of item i + 1 into item i - 1's buffer touch only the positions it has
-        // sent out itself). With one buffer, a second barrier after the MMAs, then the outputs.
-        // Up to MMA_CL_TWO_ROWS_STEPS with taps of x's dtype (EARLY) only: beyond, the code of
-        // both orders and the early taps spill.
-        constexpr bool EARLY = !SPLIT && KS <= MMA_CL_TWO_ROWS_STEPS;
-        const bool two = EARLY && p.two_rows != 0;
-        Item it = unit_item(unit), prev = it;
-        load(it, end > 0);
-        #pragma unroll 1
-        for (int64 i = 0; i < end; ++i) {
-            const int buf = two ? (int)(i & 1) : 0;
-            // A new channel's taps of the warp's first row are fetched before the window's wait,
-            // its moves and the barrier, which hide their loads (fetched after the barrier, the
-            // loads stalled every warp at once; the second row's are fetched where it starts).
-            if (EARLY && it.new_channel && it.c + warp < dim) taps.template fetch<T, SPLIT>(weight, bias, p, it.c + warp);
-            cp_async_wait<0>();
-            __syncwarp();  // (each warp moves only what it copied itself)
-            store(it, buf);
-            __syncthreads();  // the item's window is in its rows (two: the item before's outputs in theirs)
-            const Item next = next_of(it);
-            load(next, i + 1 < end && next.n_out > 0);
-            if (two && i > 0) emit(prev, buf ^ 1);
-            // warp w computes rows w, w + CLW, ... (with one row a warp, its fragments stay)
+            };
+            // With two buffers of rows (p.two_rows), item i's window goes into buffer i % 2 and
+            // an item takes one barrier: after it the item's window is in its buffer and the
+            // item before's outputs in the other, which each warp sends out (its own positions)
+            // before computing its rows of this item, so that one warp's stores overlap the
+            // others' MMAs (a warp's moves of item i + 1 into item i - 1's buffer touch only the
+            // positions it has sent out itself). With one buffer, a second barrier after the
+            // MMAs, then the outputs. A new channel's taps of the warp's first row are fetched
+            // before the window's wait, its moves and the barrier, which hide their loads
+            // (fetched after the barrier, the loads stalled every warp at once). Wider filters
+            // and split taps keep the order below (this one lost 5-27 % at KS 13-17), in code of
+            // its own: with this branch's lambdas in scope, NVRTC compiled it differently.
+            const bool two = p.two_rows != 0;
+            Item prev = it;
             #pragma unroll 1
-            for (int j = 0; j < OWN; ++j) {
-                const int r = warp + j * CLW;
-                const int64 c = it.c + r;
-                float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
-                if (c >= dim) break;
-                if (it.new_channel) {
-                    if (!EARLY || j > 0) taps.template fetch<T, SPLIT>(weight, bias, p, c);
-                    taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
-                } else if constexpr (OWN > 1) {
-                    Taps<KS>::template build<T, SPLIT>(rw, wr, width);
+            for (int64 i = 0; i < end; ++i) {
+                const int buf = two ? (int)(i & 1) : 0;
+                if (it.new_channel && it.c + warp < dim) taps.template fetch<T, SPLIT>(weight, bias, p, it.c + warp);
+                cp_async_wait<0>();
+                __syncwarp();  // (each warp moves only what it copied itself)
+                store(it, buf);
+                __syncthreads();  // the item's window is in its rows (two: the item before's outputs in theirs)
+                const Item next = next_of(it);
+                load(next, i + 1 < end && next.n_out > 0);
+                if (two && i > 0) emit(prev, buf ^ 1);
+                compute(it, buf);
+                if (!two) {
+                    __syncthreads();  // the item's outputs are in the rows
+                    emit(it, 0);
                 }
-                row_outputs<T, KS, SPLIT>(rows + buf * BUF + r * row_len, nullptr, 0, it.n_out, rw, wr, x,
-                                          initial_states, p, it.b, c, it.t0);
+                prev = it;
+                it = next;
             }
-            if (!two) {
+            if (two && end > 0) {
+                __syncthreads();  // the last item's outputs are in their rows
+                emit(prev, (int)((end - 1) & 1));
+            }
+        } else {
+            #pragma unroll 1
+            for (int64 i = 0; i < end; ++i) {
+                cp_async_wait<0>();
+                __syncwarp();  // (each warp moves only what it copied itself)
+                store(it, 0);
+                __syncthreads();  // the item's window is in the rows
+                const Item next = next_of(it);
+                load(next, i + 1 < end && next.n_out > 0);
+                // warp w computes rows w, w + CLW, ... (with one row a warp, its fragments stay)
+                #pragma unroll 1
+                for (int j = 0; j < OWN; ++j) {
+                    const int r = warp + j * CLW;
+                    const int64 c = it.c + r;
+                    float* const wr = wpad + j * CLW * Taps<KS>::SIZE;
+                    if (c >= dim) break;
+                    if (it.new_channel) {
+                        taps.template fetch<T, SPLIT>(weight, bias, p, c);
+                        taps.template install<T, SPLIT>(rw, wr, width, weight_code, bias_code);
+                    } else if constexpr (OWN > 1) {
+                        Taps<KS>::template build<T, SPLIT>(rw, wr, width);
+                    }
+                    row_outputs<T, KS, SPLIT>(rows + r * row_len, nullptr, 0, it.n_out, rw, wr, x, initial_states, p, it.b,
+                                              c, it.t0);
+                }
                 __syncthreads();  // the item's outputs are in the rows
-                emit(it, 0);
+                // This warp's positions of the outputs, transposed back through its output block,
+                // two passes at a time: lane (i, h) then stores channels 8 h .. 8 h + 7 at positions
+                // base + i and base + STEP + i.
+                const bool whole_out = out_aligned && it.c + ROWS <= dim;
+                const int i_own = lane >> 1;
+                T* ob = out + it.b * p.out_batch_stride + (it.c + 8 * h) * p.out_c_stride +
+                        (it.t0 + warp * 16 + i_own) * p.out_l_stride;
+                const int64 ob_step = STEP * p.out_l_stride;
+                auto put = [&](const Vec<T>& v, T* at, int o) {
+                    if (o >= it.n_out) return;
+                    if (whole_out) {
+                        *reinterpret_cast<uint4*>(at) = v.raw;
+                    } else {
+                        #pragma unroll
+                        for (int q = 0; q < VN; ++q)
+                            if (it.c + 8 * h + q < dim) at[q * p.out_c_stride] = v.e[q];
+                    }
+                };
+                #pragma unroll 1
+                for (int base = warp * 16; base < it.n_out; base += 2 * STEP, ob += 2 * ob_step) {
+                    const bool two = base + STEP < it.n_out;
+                    unsigned wd[2][4];
+                    ldmatrix_x4_trans(wd[0], out_from + base);
+                    if (two) ldmatrix_x4_trans(wd[1], out_from + base + STEP);
+                    Vec<T> v[2];
+                    #pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        if (k == 1 && !two) break;
+                        out_to[sw] = wd[k][0];
+                        out_to[4 - sw] = wd[k][1];
+                        out_to[64 + sw] = wd[k][2];
+                        out_to[68 - sw] = wd[k][3];
+                        __syncwarp();
+                        v[k].raw = block[slot(i_own, h)];
+                        __syncwarp();  // the block is read before it is written again
+                    }
+                    put(v[0], ob, base + i_own);
+                    if (two) put(v[1], ob + ob_step, base + STEP + i_own);
+                }
+                // (the rows' outputs are read before the next store: the barrier after it)
+                it = next;
             }
-            prev = it;
-            it = next;
-        }
-        if (two && end > 0) {
-            __syncthreads();  // the last item's outputs are in their rows
-            emit(prev, (int)((end - 1) & 1));
         }
     }
 }
