@@ -47,7 +47,7 @@ CONSTANTS = {
     "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
     "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
-    "MMA_CL_TWO_ROWS_STEPS": 9,  # fwd_mma: channel-contiguous rows in two buffers up to this KS
+    "MMA_CL_TWO_ROWS_STEPS": 11,  # fwd_mma: channel-contiguous rows in two buffers up to this KS
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
     "MMA_CL_WARPS": 8,  # fwd_mma_cl: warps a block (4 channels each), one barrier a step
@@ -86,12 +86,12 @@ MMA_TIME_MIN_CHUNKS = 4
 # fragments (KS, twice with split weights) are at most MMA_SWEEP_FRAGMENTS; elsewhere each warp
 # takes a run of consecutive items (benchmarks/NOTES.md, "fwd_mma's item order").
 MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
-# fwd_mma's channel-contiguous form with taps of x's dtype up to KS = MMA_CL_TWO_ROWS_STEPS:
-# buffers of rows tried in turn (two: an item's window while the item before's outputs go out,
-# one barrier an item; one: the outputs out between two barriers), each at the longest span
-# whose blocks fit the device; the first that fits is taken. Wider filters and split taps keep
-# one buffer (two lost 27 % at KS 17: benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows
-# in two buffers").
+# fwd_mma's channel-contiguous form with taps of x's dtype up to KS = MMA_CL_TWO_ROWS_STEPS
+# (width 161): buffers of rows tried in turn (two: an item's window while the item before's
+# outputs go out, one barrier an item; one: the outputs out between two barriers), each at the
+# longest span whose blocks fit the device; the first that fits is taken. Wider filters (whose
+# item code spills in the two-buffer form: KS 13 lost 7 %, KS 17 27 %) and split taps keep one
+# buffer (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
 MMA_CL_ROW_BUFFERS = (2, 1)
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches

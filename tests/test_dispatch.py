@@ -426,9 +426,10 @@ def test_channel_last_tensor_cores_where_their_block_fits(monkeypatch, limit, wi
         (SM90_SMEM, 129, "bfloat16", 1024, True),  # KS 9: 137,728 bytes
         (SM80_SMEM, 100, "bfloat16", 1024, True),  # KS 8: 134,144 (limit 166,912)
         (SM86_SMEM, 100, "bfloat16", 512, True),  # 84,992 (101,376)
-        (SM86_SMEM, 129, "bfloat16", 512, True),  # 88,576
+        (SM90_SMEM, 161, "bfloat16", 1024, True),  # KS 11: 144,896
+        (SM86_SMEM, 161, "bfloat16", 512, True),  # 95,744
         (70_000, 129, "bfloat16", 512, False),  # two buffers fit at no span; one 67,840
-        (SM90_SMEM, 130, "bfloat16", 1024, False),  # KS 10: one buffer (103,680)
+        (SM90_SMEM, 177, "bfloat16", 1024, False),  # KS 12: one buffer (109,824)
         (SM90_SMEM, 256, "bfloat16", 1024, False),
         (SM90_SMEM, 64, "float32", 1024, False),  # split taps
         (SM90_SMEM, 129, "float32", 1024, False),

@@ -289,9 +289,9 @@ def test_tensor_core_runs_of_spans(layout):
 
 @pytest.mark.parametrize("buffers", (2, 1))
 @pytest.mark.parametrize("blocks", (1, 3))
-@pytest.mark.parametrize("width", (100, 129))
+@pytest.mark.parametrize("width", (100, 129, 161))
 def test_channel_last_rows_buffers(monkeypatch, buffers, blocks, width):
-    """fwd_mma's channel-contiguous form (bfloat16 x and taps, KS 8 and 9) with its rows in two
+    """fwd_mma's channel-contiguous form (bfloat16 x and taps, KS 8, 9 and 11) with its rows in two
     buffers (an item's outputs sent out after the next item's barrier, the last after the loop)
     and in one (where two do not fit), on grids of one and three blocks: runs of several items
     a block, rows of several spans ending inside one, states before each row, final states; a
