@@ -13,7 +13,9 @@
 //       of its two rows of shared memory with cp.async while it computes the other; for
 //       channel-contiguous x a block of CLW warps (MMA_CL_SM_WARPS / CLW blocks an SM) takes runs
 //       of p.run spans of MMA_CL_CHANNELS channels, warp w computing rows w, w + CLW, .., the next
-//       item copied into a staging area while the current one is computed. Either way a row's
+//       item copied into a staging area while the current one is computed (up to
+//       MMA_CL_TWO_ROWS_STEPS with weights of x's dtype, the rows in two buffers where they fit:
+//       an item's outputs go out while the next one is computed). Either way a row's
 //       window (positions t0 - D ..) lies in shared memory time-contiguous, p.row_len elements a
 //       row, and a channel's weights are installed once for each item of another channel.
 //
