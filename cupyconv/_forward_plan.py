@@ -89,9 +89,9 @@ MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 # fwd_mma's channel-contiguous form with taps of x's dtype up to KS = MMA_CL_TWO_ROWS_STEPS
 # (width 161): buffers of rows tried in turn (two: an item's window while the item before's
 # outputs go out, one barrier an item; one: the outputs out between two barriers), each at the
-# longest span whose blocks fit the device; the first that fits is taken. Wider filters (whose
-# item code spills in the two-buffer form: KS 13 lost 7 %, KS 17 27 %) and split taps keep one
-# buffer (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
+# longest span whose blocks fit the device; the first that fits is taken. Wider filters (where
+# two buffers lost 2-4 % even without spills, 7-27 % with them) and split taps keep one buffer
+# (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
 MMA_CL_ROW_BUFFERS = (2, 1)
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches

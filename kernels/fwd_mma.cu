@@ -597,8 +597,8 @@ __global__ void __launch_bounds__(32 * MmaLaunch<T, KS, SPLIT, CLW>::warps, MmaL
             // MMAs, then the outputs. A new channel's taps of the warp's first row are fetched
             // before the window's wait, its moves and the barrier, which hide their loads
             // (fetched after the barrier, the loads stalled every warp at once). Wider filters
-            // and split taps keep the order below (this one spills from KS 12), in code of
-            // its own: with this branch's lambdas in scope, NVRTC compiled it differently.
+            // and split taps keep the order below (this one lost there), in code of its own:
+            // with this branch's lambdas in scope, NVRTC compiled it differently.
             const bool two = p.two_rows != 0;
             Item prev = it;
             #pragma unroll 1
