@@ -240,24 +240,21 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
             if (together) __syncwarp();  // the pieces the other lanes staged have landed
             const Raw* const st = stage[buf] + lane;
             buf = buf == BUFS - 1 ? 0 : buf + 1;
-            // K steps from r0 of the tile, compiled five times: CHECKED (the tiles holding the
+            // Tile i's steps (tile_steps), compiled five times: CHECKED (the tiles holding the
             // group's first K-1 steps or positions past g1: every step checked, SiLU and the dx
             // store run-time choices) and, for the tiles inside, with the activation fixed
             // (SILU), so that the K V derivatives of the steps interleave, and the dx store
             // fixed (DXA: whole lane vectors; else element by element), so that the other
             // store's instructions are not issued predicated off.
-            auto steps_from = [&](int r0, auto checked_flag, auto silu_flag, auto dxa_flag) {
+            auto tile = [&](auto checked_flag, auto silu_flag, auto dxa_flag) {
                 constexpr bool CHECKED = decltype(checked_flag)::value, SILU = decltype(silu_flag)::value,
                                DXA = decltype(dxa_flag)::value;
-                #pragma unroll
-                for (int u = 0; u < K; ++u) {  // step r: position g0 + r
-                    const int r = i * R + r0 + u;
-                    if (CHECKED && r >= steps) break;
+                tile_steps<R, K, CHECKED>(i, steps, [&](int row, int u, int r) {  // position g0 + r
                     const int64 pos = g0 + r;
                     const int own = (u + W) % K;  // slot of position g0 + r
                     VecT xrow, drow;
-                    xrow.raw = st[32 * (r0 + u)];
-                    drow.raw = st[32 * (R + r0 + u)];
+                    xrow.raw = st[32 * row];
+                    drow.raw = st[32 * (R + row)];
                     widen<T, A, V>(xrow.e, xw[own]);
                     if constexpr (SEQ) ids[own] = id_at(pos);
                     A gd[V];
@@ -314,11 +311,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                         }
                         dxp += dx_l_stride;
                     }
-                }
-            };
-            auto tile = [&](auto... flags) {
-                #pragma unroll 1
-                for (int r0 = 0; r0 < R; r0 += K) steps_from(r0, flags...);
+                });
             };
             if (i * R < W || i * R + R > len) tile(Flag<true>(), Flag<false>(), Flag<false>());
             else if (silu_act && dx_aligned) tile(Flag<false>(), Flag<true>(), Flag<true>());
