@@ -46,7 +46,7 @@ CONSTANTS = {
     "MMA_WARPS": 4,  # fwd_mma: warps per block (time-contiguous x: one row each)
     "MMA_CL_CHANNELS": 16,  # fwd_mma: channels a channel-contiguous block computes (its rows)
     "MMA_CL_SM_WARPS": 24,  # fwd_mma: channel-contiguous warps an SM its register budget is for
-    "MMA_CL_SPAN": 1024,  # fwd_mma: most steps a channel-contiguous item spans
+    "MMA_CL_SPAN": 2048,  # fwd_mma: most steps a channel-contiguous item spans
     "MMA_CL_TWO_ROWS_STEPS": 11,  # fwd_mma: channel-contiguous rows in two buffers up to this KS
     "MMA_SPAN_STEP": 512,  # fwd_mma: tiles span a multiple of this many outputs
     "MMA_CL_GROUP": 32,  # fwd_mma_cl: channels a block
@@ -91,7 +91,10 @@ MMA_SWEEP_SPAN, MMA_SWEEP_FRAGMENTS = 1024, 6
 # outputs go out, one barrier an item; one: the outputs out between two barriers), each at the
 # longest span whose blocks fit the device; the first that fits is taken. Wider filters (where
 # two buffers lost 2-4 % even without spills, 7-27 % with them) and split taps keep one buffer
-# (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers").
+# (benchmarks/NOTES.md, "fwd_mma's channel-contiguous rows in two buffers"). On sm_90 the
+# spans reach MMA_CL_SPAN = 2048 in two buffers at KS 8 (the whole 232,448 bytes) and in one from
+# KS 12: half the window's D positions an output of the spans of 1024 (widths 100 / 177 / 193 /
+# 256 1.5-4.8 % faster on an H100: "fwd_mma's channel-contiguous spans of 2048").
 MMA_CL_ROW_BUFFERS = (2, 1)
 # fwd_mma_cl (channel-contiguous 16-bit x) up to KS = MMA_CL_MAX_STEPS (width 97; fwd_mma beyond,
 # where fwd_mma_cl's blocks measured slower from KS 9: benchmarks/NOTES.md, "The waiting branches

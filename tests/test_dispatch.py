@@ -423,16 +423,18 @@ def test_channel_last_tensor_cores_where_their_block_fits(monkeypatch, limit, wi
 @pytest.mark.parametrize(
     "limit,width,wdtype,span,two",
     [
-        (SM90_SMEM, 129, "bfloat16", 1024, True),  # KS 9: 137,728 bytes
+        (SM90_SMEM, 100, "bfloat16", 2048, True),  # KS 8: 232,448 bytes, the whole limit
+        (SM90_SMEM, 129, "bfloat16", 1024, True),  # KS 9: 137,728 (236,032 at 2048)
         (SM80_SMEM, 100, "bfloat16", 1024, True),  # KS 8: 134,144 (limit 166,912)
         (SM86_SMEM, 100, "bfloat16", 512, True),  # 84,992 (101,376)
         (SM90_SMEM, 161, "bfloat16", 1024, True),  # KS 11: 144,896
         (SM86_SMEM, 161, "bfloat16", 512, True),  # 95,744
         (70_000, 129, "bfloat16", 512, False),  # two buffers fit at no span; one 67,840
-        (SM90_SMEM, 177, "bfloat16", 1024, False),  # KS 12: one buffer (109,824)
-        (SM90_SMEM, 256, "bfloat16", 1024, False),
-        (SM90_SMEM, 64, "float32", 1024, False),  # split taps
-        (SM90_SMEM, 129, "float32", 1024, False),
+        (SM90_SMEM, 177, "bfloat16", 2048, False),  # KS 12: one buffer (175,360)
+        (SM90_SMEM, 256, "bfloat16", 2048, False),  # KS 17: 190,720
+        (SM80_SMEM, 177, "bfloat16", 1024, False),  # 109,824
+        (SM90_SMEM, 64, "float32", 2048, False),  # split taps: 153,856
+        (SM90_SMEM, 129, "float32", 2048, False),  # 166,144
     ],
 )
 def test_channel_last_rows_in_two_buffers_where_they_fit(
