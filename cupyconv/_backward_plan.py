@@ -145,13 +145,16 @@ TIME_RUN, TIME_MIN_RUNS = 8, 16384
 # staging depth", "bwd_channel's deeper staging, measured").
 CHANNEL_TILE = {2: (8, 4, 3), 4: (16, 8, 2), 8: (8, 16, 2)}
 CHANNEL_SMEM = 40 * 1024  # bwd_channel: most static shared memory per block
-# bwd_channel_pair (16-bit x at widths dividing its 8-step tile, no seq_idx, whole strips of
-# 128 channels in 16-byte aligned rows): CHANNEL_PAIRS pairs of warps a block, a pair a group of
-# four channels a lane, so that each staged row is 256 bytes. On the H200, against bwd_channel
-# (TB/s, bfloat16 width 4): (8, 5120, 2048) 3.40 -> 3.55, its channel slice 3.30 -> 3.56,
-# (1, 4096, 16384) 3.40 -> 3.51, (64, 1024, 512) 3.18 -> 3.22, width 2 3.33 -> 3.43, float16
-# 3.34 -> 3.59 (benchmarks/NOTES.md, "bwd_channel_pair: warps in pairs on 256-byte rows").
+# bwd_channel_pair (16-bit x at CHANNEL_PAIR_WIDTHS, which divide its 8-step tile; no seq_idx,
+# whole strips of 128 channels in 16-byte aligned rows): CHANNEL_PAIRS pairs of warps a block, a
+# pair a group of four channels a lane, so that each staged row is 256 bytes. On the H200,
+# against bwd_channel (TB/s, bfloat16 width 4): (8, 5120, 2048) 3.40 -> 3.55, its channel slice
+# 3.30 -> 3.56, (1, 4096, 16384) 3.40 -> 3.51, (64, 1024, 512) 3.18 -> 3.22, width 2 3.33 ->
+# 3.43, float16 3.34 -> 3.59 (benchmarks/NOTES.md, "bwd_channel_pair: warps in pairs on 256-byte
+# rows"). Not width 8: four channels' 8 taps and windows a lane spill 1.3 KB at its 128
+# registers (1.25 TB/s on an H100, where bwd_channel ran 2.1: "bwd_channel_pair at width 8").
 CHANNEL_PAIRS = 2
+CHANNEL_PAIR_WIDTHS = (1, 2, 4)
 # bwd_channel: time steps a group (one group a warp) from CHANNEL_MIN_STEPS to CHANNEL_STEPS,
 # the groups of a call at least CHANNEL_MIN_GROUPS where one wave of the device's warps holds
 # them (``_channel_group_tiles``); up to CHANNEL_LONG_STEPS where groups of CHANNEL_STEPS would
@@ -307,8 +310,8 @@ def _channel_takes(dtype: str, width: int, seq: bool) -> bool:
 
 
 def _pair_takes(width: int) -> bool:
-    """Whether bwd_channel_pair serves 16-bit x at ``width`` (its 8-step tile a multiple of it)."""
-    return CHANNEL_TILE[2][0] % width == 0
+    """Whether bwd_channel_pair serves 16-bit x at ``width``: CHANNEL_PAIR_WIDTHS."""
+    return width in CHANNEL_PAIR_WIDTHS
 
 
 def _pair_name(dtype: str, width: int) -> str:

@@ -369,6 +369,7 @@ def test_channel_pairs_where_they_apply(launches):
         (cl(2, 256, 512, np.float16), {}, 2, "bwd_channel_pair"),
         (cl(2, 256, 512, np.float16), {}, 1, "bwd_channel_pair"),
         (cl(2, 256, 512, np.float16), {}, 3, "bwd_channel"),  # a 9-step tile
+        (cl(2, 256, 512, np.float16), {}, 8, "bwd_channel"),  # the pair's lanes would spill
         (cl(2, 256, 512, np.float16), {"seq_idx": seq_idx}, 4, "bwd_channel"),
         (cl(2, 192, 512, np.float16), {}, 4, "bwd_channel"),  # a strip of 64 channels left
         (cl(2, 256, 512, np.float32), {}, 4, "bwd_channel"),
