@@ -334,7 +334,6 @@ def test_channel_last_rows_buffers(monkeypatch, buffers):
     assert items >= 3 * made[0].grid
 
 
-
 @pytest.mark.parametrize("width,buffers", ((100, 2), (177, 1)))
 def test_channel_last_spans_of_2048(monkeypatch, width, buffers):
     """fwd_mma's channel-contiguous form at its longest spans (MMA_CL_SPAN), in two buffers
@@ -350,6 +349,7 @@ def test_channel_last_spans_of_2048(monkeypatch, width, buffers):
     fields = dict(zip(_forward_plan.MMA.plan_fields, made[0].plan_fields, strict=True))
     assert fields["span"] == _forward_plan.CONSTANTS["MMA_CL_SPAN"] == 2048
     assert fields["two_rows"] == (buffers == 2) and made[0].grid == 2
+
 
 def test_the_cases_launch_every_kernel():
     """Every kernel template of the forward and backward is the expected kernel of a case (and
