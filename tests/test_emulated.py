@@ -337,7 +337,7 @@ def test_channel_last_rows_buffers(monkeypatch, buffers):
 @pytest.mark.parametrize("width,buffers", ((100, 2), (177, 1)))
 def test_channel_last_spans_of_2048(monkeypatch, width, buffers):
     """fwd_mma's channel-contiguous form at its longest spans (MMA_CL_SPAN), in two buffers
-    (KS 8) and in one (KS 12), each of its two blocks taking two items."""
+    (KS 8) and in one (KS 12), each of its two blocks taking several items."""
     from cupyconv import _forward_plan
 
     made = []
