@@ -14,7 +14,9 @@ NVRTC program and the programs in parallel processes:
   float16 and float64 forward families, the bfloat16 and float64 backward families, every
   backward family of float16 and float32 at width 4;
 - in full for sm_80: every forward family and dtype, the bfloat16 backward's families, the
-  update of every dtype and varlen.
+  update of every dtype and varlen;
+- the channel-last backward's narrow instances (bwd_channel, bwd_channel_pair, widths 1 to 8)
+  for sm_90 with ptxas's register report: none may spill more than a few words.
 
 Compiling every instance in full (about 1.5 s of CPU each, ptxas half of it) would take the
 2-core CI machine past its budget.
@@ -32,7 +34,7 @@ import pytest
 
 from cupyconv import _backward_plan, _forward_plan, _update_plan, _varlen_plan
 from cupyconv._backward_plan import all_backward_instances
-from cupyconv._compile import C_TYPES, compile_offline, nvrtc_compile
+from cupyconv._compile import C_TYPES, compile_offline, nvrtc_compile, ptxas_report
 from cupyconv._forward_plan import all_forward_instances
 from cupyconv._update_plan import all_update_instances
 from cupyconv._varlen_plan import all_varlen_instances
@@ -168,6 +170,37 @@ def test_representative_backward_instances_compile_for_sm_90():
     above)."""
     instances = all_backward_instances(dtypes=("float16", "float32"), widths=(4,))
     assert compile_all(instances, "sm_90") == sum(len(n) for n in instances.values())
+
+
+SPILL_LIMIT = 64  # bytes of spill stores the channel-last narrow backward may have an instance
+
+
+def _spills(file: str, names: list[str]) -> list[tuple[str, int, int, int]]:
+    """(entry, registers, spill store bytes, spill load bytes) of ``names`` of ``kernels/<file>``
+    compiled for sm_90 (in a worker process)."""
+    import register_census
+
+    return register_census.parse_log(ptxas_report(SOURCES[file], names, "sm_90"))
+
+
+@pytest.mark.sweep
+def test_channel_last_narrow_backward_keeps_its_registers():
+    """bwd_channel and bwd_channel_pair at widths 1 to 8 (16-bit and float32 x, no seq_idx):
+    ptxas spills at most SPILL_LIMIT bytes in each instance the plan can take, so that no width
+    of the channel-last backward's headline range is routed to an instance whose registers
+    overflow (bwd_channel_pair at width 8 spilled 1.3 KB and ran at 0.6 of bwd_channel's speed:
+    benchmarks/NOTES.md, "bwd_channel_pair at width 8")."""
+    table = all_backward_instances(("bfloat16", "float16", "float32"), range(1, 9))
+    source = _backward_plan.CHANNEL.source
+    assert _backward_plan.CHANNEL_PAIR.source is source
+    names = sorted(n for n in table[source] if ", true" not in n)
+    assert any(n.startswith("bwd_channel_pair<") for n in names) and len(names) > 20
+    halves = [names[0::2], names[1::2]]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        rows = [row for part in pool.map(_spills, [source.file] * 2, halves) for row in part]
+    assert len(rows) == len(names)
+    spilling = [(name, stores) for name, _, stores, _ in rows if stores > SPILL_LIMIT]
+    assert not spilling, spilling
 
 
 @pytest.mark.sweep
