@@ -8,7 +8,8 @@ compared bitwise.
 A tree is a directory holding ``cupyconv/`` and ``kernels/``: ``.`` for this checkout, and for
 another revision ``git worktree add DIR REV`` or ``git archive REV cupyconv kernels | tar -x -C
 DIR``. Cases are bench.py's names (``cl-bf16-8x5120x2048-w16``: layout cf / cl / slice, dtype
-bf16 / fp16 / fp32, ``-noact``, ``-nobias``), their inputs made by ``bench.make_inputs``. A
+bf16 / fp16 / fp32, ``-noact``, ``-nobias``, and ``-wf32``: weight and bias in float32, x's
+dtype otherwise), their inputs made by ``bench.make_inputs``. A
 tree's process times, for each case, a device-to-device copy of x's bytes and the call
 (``causal_conv1d_fn``, or ``causal_conv1d_bwd`` with a dout like x) in ``bench.interleaved``
 loops on torch's stream, and hashes the call's outputs. The table shows each tree's figure per
@@ -30,24 +31,32 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-_NAME = re.compile(r"(cf|cl|slice)-(bf16|fp16|fp32)-(\d+)x(\d+)x(\d+)-w(\d+)((?:-noact|-nobias)*)")
+_NAME = re.compile(
+    r"(cf|cl|slice)-(bf16|fp16|fp32)-(\d+)x(\d+)x(\d+)-w(\d+)((?:-noact|-nobias)*)(-wf32)?"
+)
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def parse_case(name: str):
-    """bench.Case of a case name, as ``bench.Case.name`` writes it."""
+    """bench.Case of a case name, as ``bench.Case.name`` writes it (a ``-wf32`` suffix, which
+    only ``float32_weights`` reads, allowed)."""
     import bench
 
     m = _NAME.fullmatch(name)
     if m is None:
         raise ValueError(
-            f"case must read like cl-bf16-8x5120x2048-w16[-noact][-nobias]; got {name!r}"
+            f"case must read like cl-bf16-8x5120x2048-w16[-noact][-nobias][-wf32]; got {name!r}"
         )
-    layout, dtype, b, c, seqlen, width, flags = m.groups()
+    layout, dtype, b, c, seqlen, width, flags, _ = m.groups()
     return bench.Case(
         int(b), int(c), int(seqlen), layout, _DTYPES[dtype], int(width),
         None if "-noact" in flags else "silu", "-nobias" not in flags,
     )  # fmt: skip
+
+
+def float32_weights(name: str) -> bool:
+    """Whether case ``name`` takes its weight and bias in float32 (``-wf32``)."""
+    return name.endswith("-wf32")
 
 
 def digest(tensors) -> str:
@@ -73,6 +82,8 @@ def worker(tree: str, names: list[str], op: str, repeats: int, target_ms: float)
     for name in names:
         case = parse_case(name)
         x, weight, bias = bench.make_inputs(case)
+        if float32_weights(name):
+            weight, bias = weight.float(), None if bias is None else bias.float()
         if op == "fwd":
             fn, args = cupyconv.causal_conv1d_fn, (x, weight, bias)
         else:

@@ -399,6 +399,11 @@ def test_ab_reads_every_bench_case_name():
     cases = [*bench.default_cases(), bench.Case(2, 64, 300, "cl", "float16", 31, None, False)]
     for case in cases:
         assert ab.parse_case(case.name) == case
+        assert not ab.float32_weights(case.name)
+    assert ab.parse_case("cl-bf16-2x64x300-w31-nobias-wf32") == bench.Case(
+        2, 64, 300, "cl", "bfloat16", 31, "silu", False
+    )
+    assert ab.float32_weights("cl-bf16-2x64x300-w31-nobias-wf32")
 
 
 @pytest.mark.parametrize(
