@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 _NAME = re.compile(
-    r"(cf|cl|slice)-(bf16|fp16|fp32)-(\d+)x(\d+)x(\d+)-w(\d+)((?:-noact|-nobias)*)(-wf32)?"
+    r"(cf|cl|slice)-(bf16|fp16|fp32)-(\d+)x(\d+)x(\d+)-w(\d+)((?:-noact|-nobias)*)(?:-wf32)?"
 )
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -47,7 +47,7 @@ def parse_case(name: str):
         raise ValueError(
             f"case must read like cl-bf16-8x5120x2048-w16[-noact][-nobias][-wf32]; got {name!r}"
         )
-    layout, dtype, b, c, seqlen, width, flags, _ = m.groups()
+    layout, dtype, b, c, seqlen, width, flags = m.groups()
     return bench.Case(
         int(b), int(c), int(seqlen), layout, _DTYPES[dtype], int(width),
         None if "-noact" in flags else "silu", "-nobias" not in flags,

@@ -314,11 +314,9 @@ def test_varlen_states():
     assert templates(varlen_case([300], 40, 8, "float32")) == {"varlen_states"}
 
 
-@pytest.mark.parametrize("buffers", (2, 1))
-def test_channel_last_rows_buffers(monkeypatch, buffers):
-    """fwd_mma's channel-contiguous form with its rows in two buffers and in one (where two do
-    not fit), each of its two blocks taking several items (spans of a row, strips of channels,
-    the last one cut by dim)."""
+def fwd_mma_plan(monkeypatch, shape, width):
+    """(plan fields, grid) of the fwd_mma launch of the channel-last forward case ``shape``,
+    ``width`` (with initial states), which must launch fwd_mma."""
     from cupyconv import _forward_plan
 
     made = []
@@ -326,12 +324,22 @@ def test_channel_last_rows_buffers(monkeypatch, buffers):
     monkeypatch.setattr(
         _forward_plan, "_plan_mma", lambda *a: made.append(plan_mma(*a)) or made[-1]
     )
+    assert "fwd_mma" in templates(forward_case(shape, width, "cl", features=("states",)))
+    return dict(zip(_forward_plan.MMA.plan_fields, made[0].plan_fields, strict=True)), made[0].grid
+
+
+@pytest.mark.parametrize("buffers", (2, 1))
+def test_channel_last_rows_buffers(monkeypatch, buffers):
+    """fwd_mma's channel-contiguous form with its rows in two buffers and in one (where two do
+    not fit), each of its two blocks taking several items (spans of a row, strips of channels,
+    the last one cut by dim)."""
+    from cupyconv import _forward_plan
+
     monkeypatch.setattr(_forward_plan, "MMA_CL_ROW_BUFFERS", (buffers,))
-    assert "fwd_mma" in templates(forward_case((2, 40, 1100), 100, "cl", features=("states",)))
-    fields = dict(zip(_forward_plan.MMA.plan_fields, made[0].plan_fields, strict=True))
-    assert fields["two_rows"] == (buffers == 2) and made[0].grid == 2
+    fields, grid = fwd_mma_plan(monkeypatch, (2, 40, 1100), 100)
+    assert fields["two_rows"] == (buffers == 2) and grid == 2
     items = 3 * 2 * -(-1100 // fields["span"])  # (channel strips x batch rows x spans)
-    assert items >= 3 * made[0].grid
+    assert items >= 3 * grid
 
 
 @pytest.mark.parametrize("width,buffers", ((100, 2), (177, 1)))
@@ -340,15 +348,9 @@ def test_channel_last_spans_of_2048(monkeypatch, width, buffers):
     (KS 8) and in one (KS 12), each of its two blocks taking several items."""
     from cupyconv import _forward_plan
 
-    made = []
-    plan_mma = _forward_plan._plan_mma
-    monkeypatch.setattr(
-        _forward_plan, "_plan_mma", lambda *a: made.append(plan_mma(*a)) or made[-1]
-    )
-    assert "fwd_mma" in templates(forward_case((1, 72, 2200), width, "cl", features=("states",)))
-    fields = dict(zip(_forward_plan.MMA.plan_fields, made[0].plan_fields, strict=True))
+    fields, grid = fwd_mma_plan(monkeypatch, (1, 72, 2200), width)
     assert fields["span"] == _forward_plan.CONSTANTS["MMA_CL_SPAN"] == 2048
-    assert fields["two_rows"] == (buffers == 2) and made[0].grid == 2
+    assert fields["two_rows"] == (buffers == 2) and grid == 2
 
 
 def test_the_cases_launch_every_kernel():
