@@ -57,6 +57,8 @@ CONSTANTS = {
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
+    "CHANNEL_WIDE_TAPS_RUN": 16,  # fwd_channel_wide, taps in registers: outputs a lane at once
+    "CHANNEL_WIDE_TAP_GROUP": 8,  # fwd_channel_wide, taps in registers: taps unrolled at once
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
@@ -116,6 +118,24 @@ TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
 CHANNEL_TILES = {2: ((16, 8), (32, 4)), 4: ((16, 16), (32, 8)), 8: ((8, 16), (32, 8))}
 CHANNEL_NARROW_WIDTH = 8
 CHANNEL_WIDE_STEPS = 256  # fwd_channel_wide: most time steps a tile
+# fwd_channel_wide with its taps in registers (float32 accumulators): the instances, by the most
+# taps each holds; wider filters, and float64, read the taps from shared memory.
+CHANNEL_WIDE_TAPS = (32, 64)
+
+
+def channel_wide_taps(dtype: str, width: int) -> int:
+    """fwd_channel_wide's TAPS for x of ``dtype`` at ``width``: the fewest of CHANNEL_WIDE_TAPS
+    that hold the filter (float32 accumulators), else 0."""
+    if dtype == "float64":
+        return 0
+    return next((t for t in CHANNEL_WIDE_TAPS if width <= t), 0)
+
+
+def channel_wide_reach(taps: int, width: int) -> int:
+    """Input rows past a tile's steps, plus one, that fwd_channel_wide reads: the width, or with
+    taps in registers the width rounded up to CHANNEL_WIDE_TAP_GROUP (zero taps past it)."""
+    group = CONSTANTS["CHANNEL_WIDE_TAP_GROUP"]
+    return -(-width // group) * group if taps else width
 GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
 WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -251,7 +271,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     if width <= (CHANNEL_NARROW_WIDTH if seq else CHANNEL_MAX_WIDTH):
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     if width > CHANNEL_NARROW_WIDTH and not seq:
-        table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
+        taps = channel_wide_taps(dtype, width)
+        table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}, {taps}>")
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
@@ -573,7 +594,8 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
 
 def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     """The tile's steps and the block's shared memory: one or two buffers of the tile's steps +
-    K - 1 input rows and its K tap rows, each row 32 lanes' 8-byte slots. Two buffers (the
+    E - 1 input rows (E: ``channel_wide_reach``) and its K tap rows, each row 32 lanes' 8-byte
+    slots. Two buffers (the
     next tile copied while this one is computed) of up to CHANNEL_WIDE_STEPS steps where they
     fit a block, halving the steps down to CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one;
     None where even one buffer of the shortest tiles does not fit (from width 135 on sm_86 and
@@ -583,9 +605,10 @@ def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     least = CONSTANTS["CHANNEL_WIDE_WARPS"] * CONSTANTS["CHANNEL_WIDE_RUN"]
     longest = min(CHANNEL_WIDE_STEPS, -(-seqlen // least) * least)
     limit = shared_memory_limit(device)
+    reach = channel_wide_reach(channel_wide_taps(x.dtype_name, width), width)
 
     def buffer_bytes(steps):
-        return (steps + 2 * width - 1) * 32 * 8
+        return (steps + reach - 1 + width) * 32 * 8
 
     for buffers in (2, 1):
         steps = longest
@@ -603,7 +626,7 @@ def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     return CHANNEL_WIDE.launch(
         name, grid, (threads, 1), smem, x_aligned=rows_aligned(x, 1, nbytes),
         out_aligned=rows_aligned(out, 1, nbytes), steps=steps,
-        weights_at=(steps + width - 1) * 32 * 8, buffer_bytes=buffer_bytes(steps), buffers=buffers,
+        weights_at=(steps + reach - 1) * 32 * 8, buffer_bytes=buffer_bytes(steps), buffers=buffers,
     )  # fmt: skip
 
 
