@@ -122,20 +122,6 @@ CHANNEL_WIDE_STEPS = 256  # fwd_channel_wide: most time steps a tile
 # taps each holds; wider filters, and float64, read the taps from shared memory.
 CHANNEL_WIDE_TAPS = (32, 64)
 
-
-def channel_wide_taps(dtype: str, width: int) -> int:
-    """fwd_channel_wide's TAPS for x of ``dtype`` at ``width``: the fewest of CHANNEL_WIDE_TAPS
-    that hold the filter (float32 accumulators), else 0."""
-    if dtype == "float64":
-        return 0
-    return next((t for t in CHANNEL_WIDE_TAPS if width <= t), 0)
-
-
-def channel_wide_reach(taps: int, width: int) -> int:
-    """Input rows past a tile's steps, plus one, that fwd_channel_wide reads: the width, or with
-    taps in registers the width rounded up to CHANNEL_WIDE_TAP_GROUP (zero taps past it)."""
-    group = CONSTANTS["CHANNEL_WIDE_TAP_GROUP"]
-    return -(-width // group) * group if taps else width
 GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
 WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -590,6 +576,21 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
         out_aligned=_channel_vectors(out, itemsize, width),
         strip_divisor=fast_divisor(strips), step_divisor=fast_divisor(steps_per_row),
     )  # fmt: skip
+
+
+def channel_wide_taps(dtype: str, width: int) -> int:
+    """fwd_channel_wide's TAPS for x of ``dtype`` at ``width``: the fewest of CHANNEL_WIDE_TAPS
+    that hold the filter (float32 accumulators), else 0."""
+    if dtype == "float64":
+        return 0
+    return next((t for t in CHANNEL_WIDE_TAPS if width <= t), 0)
+
+
+def channel_wide_reach(taps: int, width: int) -> int:
+    """Input rows past a tile's steps, plus one, that fwd_channel_wide reads: the width, or with
+    taps in registers the width rounded up to CHANNEL_WIDE_TAP_GROUP (zero taps past it)."""
+    group = CONSTANTS["CHANNEL_WIDE_TAP_GROUP"]
+    return -(-width // group) * group if taps else width
 
 
 def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
