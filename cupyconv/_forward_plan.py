@@ -58,7 +58,7 @@ CONSTANTS = {
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
     "CHANNEL_WIDE_TAPS_RUN": 16,  # fwd_channel_wide, taps in registers: outputs a lane at once
-    "CHANNEL_WIDE_TAP_GROUP": 8,  # fwd_channel_wide, taps in registers: taps unrolled at once
+    "CHANNEL_WIDE_TAP_GROUP": 4,  # fwd_channel_wide, taps in registers: taps unrolled at once
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster

@@ -242,9 +242,10 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
                     }
                 }
                 T* dst = out + t.b * out_batch_stride + (t.c0 + v) * out_c_stride + (t.t0 + o) * out_l_stride;
+                const bool whole = t.t0 + o + RT <= seqlen;  // (else the row ends inside the pass)
                 #pragma unroll
                 for (int r = 0; r < RT; ++r, dst += out_l_stride) {
-                    if (t.t0 + o + r >= seqlen) break;
+                    if (!whole && t.t0 + o + r >= seqlen) break;
                     *dst = from_acc<T>(silu_act ? silu_scaled(acc[r]) : acc[r]);
                 }
             }
