@@ -742,8 +742,9 @@ def cl_threads(ks: int) -> int:
 def _cl_shared_memory(width: int) -> tuple[int, int]:
     """bwd_mma_cl's taps_at and bytes a block: its four rings (x, x one position later, dz's
     high and low halves; 32 channels of RING = 128 (LF + 1) positions and 16 bytes, LF = 1 up to
-    KS 9, else 2), two x staging buffers and the dout buffer (128 positions of 32 channels), then
-    each warp's taps (8 channels x D + 32 word pairs) and 8 biases."""
+    KS 9, else 2; the dz rings' 16 bytes are the zeros dweight reads for blocks outside the
+    unit), two x staging buffers and the dout buffer (128 positions of 32 channels), then each
+    warp's taps (8 channels x D + 32 word pairs) and 8 biases."""
     ks = _cl_steps(width)
     d = 16 * (ks - 1)
     warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]

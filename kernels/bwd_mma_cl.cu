@@ -28,9 +28,10 @@
 //     C_f[r][q] += sum_k x[16 (n - 8 f) + k - r] dz[16 (n + q) + k], one m16n8k16 MMA a half of
 //     dz: element (r, q) has the lag 128 f + 16 q + r (the tap K - 1 - lag), in place, with no
 //     diagonals to add up. A is the Toeplitz matrix of x (its words from the two x rings), B the
-//     dz blocks n .. n + 7 (one ldmatrix gives both halves), the blocks outside the unit masked to
-//     zero: over the unit's steps each of its dz positions meets every lag once. The C_f stay in
-//     registers over the item and are written as the item's part (bwd_reduce adds the parts).
+//     dz blocks n .. n + 7 (one ldmatrix gives both halves), the blocks outside the unit zero
+//     (their rows read from 16 zero bytes past the dz ring's slots, which no store reaches): over
+//     the unit's steps each of its dz positions meets every lag once. The C_f stay in registers
+//     over the item and are written as the item's part (bwd_reduce adds the parts).
 // The unit's last steps compute z and dz past its end (the next piece's first D, which the unit's
 // dx needs) and the dweight products of its last blocks.
 //
@@ -45,7 +46,9 @@
 // Bank conflicts: the rings and the x staging buffer are laid out as fwd_mma_cl's (its copies,
 // moves and B loads); dout is read and dx written as a whole 16-byte slot a lane and place (the
 // staging buffer's rotation keeps each quarter warp's 8 slots in 8 bank groups); the A words of
-// dweight are each read by the lanes of one channel, a few words apart (broadcasts).
+// dweight are each read by the lanes of one channel, a few words apart (broadcasts). In a unit's
+// first and last steps dweight's B rows of blocks outside the unit (the zero bytes) may share a
+// bank group with one of their matrix's rows inside it: two ways there.
 //
 // Non-finite values: an MMA multiplies every input of its window by every row of A, zeros
 // included, so a non-finite x, weight, bias or dout makes the sum of z and dz over the item
@@ -128,6 +131,10 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
     auto wrap = [](int s) { return s < 0 ? s + RING : s >= RING ? s - RING : s; };
     auto ring = [&](int which, int ch) { return rings + (which * CH + ch) * RB; };
     const int j8 = lane & 7, m4 = lane >> 3;  // the copies' and moves' (position, piece)
+    // The 16 bytes past each dz ring's slots (2 RING .. RB - 1, which no store into the rings
+    // reaches): zeros, the B row dweight reads for a dz block outside the unit. Each of the first
+    // warps zeroes its channels' once (lane 8 q + j: ring 2 + q, channel 8 warp + j).
+    if (!dxw && lane < 16) *reinterpret_cast<uint4*>(ring(2 + m4, 8 * warp + j8) + 2 * RING) = make_uint4(0, 0, 0, 0);
 
     #pragma unroll 1
     for (int64 item = blockIdx.x; item < n_items; item += gridDim.x) {
@@ -387,7 +394,9 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
             // (x[u], x[u + 1]) at u = 16 n0 - 128 f + v + 8 e (e = -1 .. 15), v = 2 tg - g: word
             // e + 1 of aw[f] (a0 of block ni: word 2 ni + 1, a1: 2 ni, a2: 2 ni + 2, a3 = a0), from
             // the x ring (even v) or the odd ring's slot u + 1 (odd v). B: lane 8 mq + j addresses
-            // dz positions 16 (n + j) + 8 (mq & 1) of ring 2 + mq / 2.
+            // dz positions 16 (n + j) + 8 (mq & 1) of ring 2 + mq / 2, or, where block n + j lies
+            // outside the unit (a unit's first and last steps), the ring's zero bytes: column j of B
+            // zero.
             if (!dxw) {
                 const int v = 2 * tg - g, odd = v & 1, n0 = t0 / 16 - 7;
                 // (a_at, b_at: byte offsets from the rings' start, so that each load's address is
@@ -401,6 +410,10 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                 #pragma unroll
                 for (int ni = 0; ni < 8; ++ni) b_at[ni] = br + slot_bytes(wrap(sbase - 112 + 16 * (ni + j8) + 8 * (m4 & 1)));
                 const bool edge = n0 < 0 || n0 + 15 > m1;  // (a block of the step's B outside the unit)
+                if (edge)
+                    #pragma unroll
+                    for (int ni = 0; ni < 8; ++ni)
+                        if (n0 + ni + j8 < 0 || n0 + ni + j8 >= m1) b_at[ni] = br + 2 * RING;  // (the zeros)
                 // PAIR channels at a time: two MMA chains a warp, as LF 2 has with its two lag
                 // fragments a channel. (Each channel's low half in its own accumulators as well
                 // spilled hundreds of bytes.)
@@ -419,12 +432,6 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                         unsigned bw[PAIR][4];
                         #pragma unroll
                         for (int h = 0; h < PAIR; ++h) ldmatrix_x4(bw[h], rings + b_at[ni] + (c2 + h) * RB);
-                        if (edge) {
-                            const int blk = n0 + ni + g;  // column g's dz block
-                            if (blk < 0 || blk >= m1)
-                                #pragma unroll
-                                for (int h = 0; h < PAIR; ++h) bw[h][0] = bw[h][1] = bw[h][2] = bw[h][3] = 0;
-                        }
                         #pragma unroll
                         for (int f = 0; f < LF; ++f)
                             #pragma unroll
