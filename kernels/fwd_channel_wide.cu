@@ -196,6 +196,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
         } else {
             // Warp w: channel v = w % 2 of each lane's slot, steps (w / 2) per .. of the tile.
             constexpr int RT = CHANNEL_WIDE_TAPS_RUN, ROW = 2 * 32;  // (ROW: floats a row)
+            static_assert(WARPS * R % (WARPS / 2 * RT) == 0, "a warp's steps (the plan's tiles: WARPS R apart) are whole passes");
             const int v = warp & 1, per = steps / (WARPS / 2);
             const float* const xs = reinterpret_cast<const float*>(buffer(buf)) + 2 * lane + v;
             const float* const ws = reinterpret_cast<const float*>(reinterpret_cast<unsigned char*>(buffer(buf)) + p.weights_at) + 2 * lane + v;
