@@ -4,7 +4,7 @@ makes: the copies into the staging buffers, the moves into the x ring and the od
 shuffle, and the first of each warp's positions filled in afterwards), z and dz as the forward
 computes outputs, dz's halves into their rings by stmatrix.trans, dx from the reversed taps (the
 forward table's words read backwards, halves swapped), dweight's lags in place (A the Toeplitz
-matrix of x from the two x rings, B the dz blocks, masked outside the unit) and dx out through
+matrix of x from the two x rings, B the dz blocks, zero bytes outside the unit) and dx out through
 the staging buffer. Shared memory is poisoned with NaN at every item's start, so that a result
 that depends on memory the item has not written comes out NaN; every access is checked for its
 element type and bank conflicts.
@@ -12,7 +12,7 @@ element type and bank conflicts.
 
 import numpy as np
 import pytest
-from test_mma_model import conflict_free, mma
+from test_mma_model import conflict_free, mma, ways
 
 from cupyconv import reference
 
@@ -34,8 +34,17 @@ class Shared:
     def __init__(self, size):
         self.size = np.zeros(size, np.int8)  # bytes of the element starting here (0: none)
         self.value = np.full(size, np.nan)
+        self.fixed = np.zeros(size, bool)  # bytes written once for the whole kernel (``fix``)
+
+    def fix(self, at, values, itemsize):
+        """Elements the kernel writes once at its start: no later store may reach them."""
+        self.write(at, values, itemsize)
+        self.fixed[at : at + itemsize * len(values)] = True
 
     def write(self, at, values, itemsize):
+        assert not self.fixed[at : at + itemsize * len(values)].any(), (
+            f"a store into fixed bytes at {at}"
+        )
         for e, v in enumerate(values):
             b = at + itemsize * e
             self.size[b : b + itemsize] = -1
@@ -66,12 +75,12 @@ def slot_bytes(s):
     return 2 * s ^ ((2 * s >> 3) & 16)
 
 
-def ldmatrix(smem, row_bytes, matrices):
+def ldmatrix(smem, row_bytes, matrices, most_ways=1):
     """ldmatrix.x4 (x2: two matrices) as it lies: per lane (g, tg), matrix q's elements (g, 2 tg)
     and (g, 2 tg + 1), lanes 8 q + j giving the byte addresses of matrix q's rows j; each
-    matrix's 8 rows free of bank conflicts."""
+    matrix's 8 rows free of bank conflicts (at most ``most_ways`` words a bank)."""
     for q in range(matrices):
-        assert conflict_free(row_bytes[8 * q : 8 * q + 8], 16)
+        assert ways(row_bytes[8 * q : 8 * q + 8], 16) <= most_ways
     rows = [smem.read(a, 8, 2) for a in row_bytes[: 8 * matrices]]
     return [
         [rows[8 * q + (lane >> 2)][2 * (lane & 3) + e] for q in range(matrices) for e in (0, 1)]
@@ -95,8 +104,11 @@ def stmatrix_trans(smem, row_bytes, held):
 
 
 def poison(smem, itemsize=2):
-    """Every element of ``smem`` NaN (the kernel cannot count on what an item has not written)."""
-    smem.write(0, [np.nan] * (len(smem.size) // itemsize), itemsize)
+    """Every element of ``smem`` NaN but the fixed ones (the kernel cannot count on what an item
+    has not written)."""
+    for at in range(0, len(smem.size), itemsize):
+        if not smem.fixed[at]:
+            smem.write(at, [np.nan], itemsize)
 
 
 def bwd_mma_cl_model(x, dout, w, bias, K, span, states=None, silu=True):
@@ -130,6 +142,12 @@ def bwd_mma_cl_model(x, dout, w, bias, K, span, states=None, silu=True):
 
     def ring(which, ch):
         return (which * CH + ch) * rb
+
+    # The 16 bytes past each dz ring's slots: zeros, written at the kernel's start (dweight's B
+    # rows for dz blocks outside the unit).
+    for which in (2, 3):
+        for ch in range(CH):
+            rings.fix(ring(which, ch) + 2 * ring_len, [0.0] * 8, 2)
 
     def place(lane, r):
         return 32 * (lane & 3) + 16 * (r & 1) + 8 * (r >> 1) + (lane >> 2)
@@ -301,16 +319,20 @@ def bwd_mma_cl_model(x, dout, w, bias, K, span, states=None, silu=True):
                                 u = wrap(sbase - 112 - 128 * f + v + odd + 8 * (e - 1))
                                 at = ring(odd, 8 * warp + cl) + slot_bytes(u)
                                 aw[f, ln, e] = rings.read(at, 2, 2)
+                    edge = n0 < 0 or n0 + 15 > m1  # (a block of the step's B outside the unit)
                     for ni in range(8):
                         rows = []
                         for ln in range(32):
                             mq, j = ln >> 3, ln & 7
-                            u = wrap(sbase - 112 + 16 * (ni + j) + 8 * (mq & 1))
-                            rows.append(ring(2 + (mq >> 1), 8 * warp + cl) + slot_bytes(u))
-                        bw = np.array(ldmatrix(rings, rows, 4))
-                        for ln in range(32):
-                            if not 0 <= n0 + ni + (ln >> 2) < m1:
-                                bw[ln] = 0.0
+                            zdz = ring(2 + (mq >> 1), 8 * warp + cl)
+                            if 0 <= n0 + ni + j < m1:
+                                u = wrap(sbase - 112 + 16 * (ni + j) + 8 * (mq & 1))
+                                rows.append(zdz + slot_bytes(u))
+                            else:  # (column j of B zero: the ring's zero bytes)
+                                rows.append(zdz + 2 * ring_len)
+                        # (in a unit's first and last steps a zero row may share a bank group
+                        # with a row inside the unit: two ways there)
+                        bw = np.array(ldmatrix(rings, rows, 4, 2 if edge else 1))
                         words = (2 * ni + 1, 2 * ni, 2 * ni + 2, 2 * ni + 1)  # a0, a1, a2, a3
                         for f in range(lf):
                             af = np.array([np.concatenate(aw[f, ln, words]) for ln in range(32)])

@@ -286,14 +286,20 @@ def ldmatrix_trans(row_bytes):
     }
 
 
-def conflict_free(byte_addresses, width):
-    """Whether accesses of ``width`` bytes at these addresses (one phase) hit distinct banks or
-    the same words."""
+def ways(byte_addresses, width):
+    """The most distinct words of one bank among accesses of ``width`` bytes at these addresses
+    (one phase): 1 where they hit distinct banks or the same words."""
     words = {}
     for a in byte_addresses:
         for w in range(a // 4, (a + width) // 4):
             words.setdefault(w % 32, set()).add(w)
-    return all(len(ws) == 1 for ws in words.values())
+    return max(len(ws) for ws in words.values())
+
+
+def conflict_free(byte_addresses, width):
+    """Whether accesses of ``width`` bytes at these addresses (one phase) hit distinct banks or
+    the same words."""
+    return ways(byte_addresses, width) == 1
 
 
 def warp_pass(row_bytes, src, dst, element_at):
