@@ -403,16 +403,20 @@ def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
         ("bfloat16", "bfloat16"),
         ("bfloat16", "float32"),
         ("float16", "float32"),
+        ("float32", "float32"),
+        ("float32", "bfloat16"),
         ("float64", "float64"),
     ],
 )
 @pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
 def test_channel_last_wide_filters(dtype, wdtype, layout):
     """Channel-last widths above 8 without seq_idx (fwd_channel up to 16 where the rows split
-    into its lane vectors, else fwd_channel_wide; fwd_mma from 16 for 16-bit x and weights):
-    tiles past the last channel and time step, states before the row, with and without bias and
+    into its lane vectors, else fwd_channel_wide, with float32 sums its taps in registers up to
+    width 64 (29: zero taps in its last group); fwd_mma from 16 for 16-bit x and weights): tiles
+    past the last channel and time step, states before the row, with and without bias and
     activation."""
-    cases = itertools.product((9, 16, 17, 33, 100, 256), ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
+    widths = (9, 16, 17, 29, 33, 64, 100, 256)
+    cases = itertools.product(widths, ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
     for i, (width, (b, c, length)) in enumerate(cases):
         run_case(
             b, c, length, width, dtype, wdtype, layout=layout, bias=i % 2 == 0,
