@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
               silu_act = (int)p.silu_act, steps = (int)p.steps, x_aligned = (int)p.x_aligned,
               out_aligned = (int)p.out_aligned, two = p.buffers == 2;
     static_assert(TAPS == 0 || same_type<A, float>, "taps in registers: float32 accumulators");
-    constexpr int G = CHANNEL_WIDE_TAP_GROUP;
-    const int rows = steps + (TAPS ? (width + G - 1) / G * G : width) - 1;  // (the plan's reach)
+    const int rows = (int)(p.weights_at / (32 * sizeof(Slot)));  // (the input rows: the taps' follow)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int64 strips = (dim + 32 * V - 1) / (32 * V), chunks = (seqlen + steps - 1) / steps;
@@ -218,6 +217,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
                     acc[r] = b0;
                     if (r < RT - 1) win[r] = xr[r * ROW];
                 }
+                constexpr int G = CHANNEL_WIDE_TAP_GROUP;
                 #pragma unroll
                 for (int k0 = 0; k0 < TAPS; k0 += G) {
                     if (k0 >= width) break;
