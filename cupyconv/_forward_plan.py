@@ -596,11 +596,10 @@ def channel_wide_reach(taps: int, width: int) -> int:
 def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     """The tile's steps and the block's shared memory: one or two buffers of the tile's steps +
     E - 1 input rows (E: ``channel_wide_reach``) and its K tap rows, each row 32 lanes' 8-byte
-    slots. Two buffers (the
-    next tile copied while this one is computed) of up to CHANNEL_WIDE_STEPS steps where they
-    fit a block, halving the steps down to CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one;
-    None where even one buffer of the shortest tiles does not fit (from width 135 on sm_86 and
-    sm_89): the general kernel then."""
+    slots. Two buffers (the next tile copied while this one is computed) of up to
+    CHANNEL_WIDE_STEPS steps where they fit a block, halving the steps down to
+    CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one; None where even one buffer of the shortest
+    tiles does not fit (from width 135 on sm_86 and sm_89): the general kernel then."""
     batch, dim, seqlen = x.shape
     lanes = 8 // acc_bytes(itemsize)  # channels a lane
     least = CONSTANTS["CHANNEL_WIDE_WARPS"] * CONSTANTS["CHANNEL_WIDE_RUN"]
@@ -608,8 +607,11 @@ def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     limit = shared_memory_limit(device)
     reach = channel_wide_reach(channel_wide_taps(x.dtype_name, width), width)
 
+    def inputs_bytes(steps):  # (the taps' rows follow the inputs')
+        return (steps + reach - 1) * 32 * 8
+
     def buffer_bytes(steps):
-        return (steps + reach - 1 + width) * 32 * 8
+        return inputs_bytes(steps) + width * 32 * 8
 
     for buffers in (2, 1):
         steps = longest
@@ -627,7 +629,7 @@ def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     return CHANNEL_WIDE.launch(
         name, grid, (threads, 1), smem, x_aligned=rows_aligned(x, 1, nbytes),
         out_aligned=rows_aligned(out, 1, nbytes), steps=steps,
-        weights_at=(steps + reach - 1) * 32 * 8, buffer_bytes=buffer_bytes(steps), buffers=buffers,
+        weights_at=inputs_bytes(steps), buffer_bytes=buffer_bytes(steps), buffers=buffers,
     )  # fmt: skip
 
 
