@@ -67,7 +67,9 @@ __device__ __forceinline__ int rotation(int p) {
 
 // T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
 // taps: one (both exact in TF32). A staged word is one float32 channel or two 16-bit ones.
-template <typename T, int K, int TT, int WARPS>
+// SEP: the three products into accumulators of their own (three chains, summed at the end);
+// PAIR: a warp computes two of its channels at once (twice the chains).
+template <typename T, int K, int TT, int WARPS, int SEP, int PAIR>
 __global__ void __launch_bounds__(32 * WARPS)
     tf32_cl(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
             T* __restrict__ out, int seqlen, int dim, int span, int silu) {
@@ -76,7 +78,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = 2 * KB + 2;
     constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 292, TW = 8 * KS + 16;
     constexpr int STAGE = NBLK * BS;
-    static_assert(TT % 128 == 0 && CH % WARPS == 0, "tiles");
+    constexpr int P = PAIR ? 2 : 1, NA = SEP && SPLIT ? 3 : 1;  // channels at once, accumulators
+    static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
     extern __shared__ __align__(16) float sm[];
     float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
     unsigned* const stage = reinterpret_cast<unsigned*>(sm + 2 * CH * TW);  // [2][STAGE] words
@@ -116,49 +119,60 @@ __global__ void __launch_bounds__(32 * WARPS)
         __syncthreads();
         const unsigned* const st = stage + (step & 1) * STAGE;
         #pragma unroll 1
-        for (int ci = 0; ci < CH / WARPS; ++ci) {
-            const int c = warp * (CH / WARPS) + ci;
-            const float2* const tp = taps + c * TW + tg - g + 15;
-            const unsigned* const xs = st + 17 * (c / PER) + tg;
-            const bool odd = c % PER;  // (16-bit x: the word's high half)
-            auto value = [&](unsigned word) {
-                return SPLIT ? word : odd ? word & 0xffff0000u : word << 16;
-            };
-            float acc[NT][4] = {};
+        for (int ci = 0; ci < CH / WARPS; ci += P) {
+            const int c_first = warp * (CH / WARPS) + ci;
+            float acc[P][NT][NA][4] = {};
             #pragma unroll
             for (int s = 0; s < KS; ++s) {
-                const float2 w0 = tp[8 * s], w1 = tp[8 * s - 8], w2 = tp[8 * s + 4],
-                             w3 = tp[8 * s - 4];
-                const unsigned h0 = __float_as_uint(w0.x), h1 = __float_as_uint(w1.x),
-                               h2 = __float_as_uint(w2.x), h3 = __float_as_uint(w3.x);
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const unsigned* const src = xs + (8 * nt + g + (s >> 1)) * BS + 8 * (s & 1);
-                    const unsigned v0 = value(src[0]), v1 = value(src[4]);
-                    if constexpr (SPLIT) {
-                        const unsigned l0 = __float_as_uint(w0.y), l1 = __float_as_uint(w1.y),
-                                       l2 = __float_as_uint(w2.y), l3 = __float_as_uint(w3.y);
-                        const unsigned bh0 = v0 & 0xffffe000u, bh1 = v1 & 0xffffe000u;
-                        const float r0 = __uint_as_float(v0) - __uint_as_float(bh0),
-                                    r1 = __uint_as_float(v1) - __uint_as_float(bh1);
-                        const unsigned bl0 = __float_as_uint(r0), bl1 = __float_as_uint(r1);
-                        mma_tf32(acc[nt], h0, h1, h2, h3, bh0, bh1);
-                        mma_tf32(acc[nt], h0, h1, h2, h3, bl0, bl1);
-                        mma_tf32(acc[nt], l0, l1, l2, l3, bh0, bh1);
-                    } else {
-                        mma_tf32(acc[nt], h0, h1, h2, h3, v0, v1);
+                for (int j = 0; j < P; ++j) {
+                    const int c = c_first + j;
+                    const float2* const tp = taps + c * TW + tg - g + 15;
+                    const unsigned* const xs = st + 17 * (c / PER) + tg;
+                    const bool odd = c % PER;  // (16-bit x: the word's high half)
+                    auto value = [&](unsigned word) {
+                        return SPLIT ? word : odd ? word & 0xffff0000u : word << 16;
+                    };
+                    const float2 w0 = tp[8 * s], w1 = tp[8 * s - 8], w2 = tp[8 * s + 4],
+                                 w3 = tp[8 * s - 4];
+                    const unsigned h0 = __float_as_uint(w0.x), h1 = __float_as_uint(w1.x),
+                                   h2 = __float_as_uint(w2.x), h3 = __float_as_uint(w3.x);
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const unsigned* const src = xs + (8 * nt + g + (s >> 1)) * BS + 8 * (s & 1);
+                        const unsigned v0 = value(src[0]), v1 = value(src[4]);
+                        if constexpr (SPLIT) {
+                            const unsigned l0 = __float_as_uint(w0.y), l1 = __float_as_uint(w1.y),
+                                           l2 = __float_as_uint(w2.y), l3 = __float_as_uint(w3.y);
+                            const unsigned bh0 = v0 & 0xffffe000u, bh1 = v1 & 0xffffe000u;
+                            const float r0 = __uint_as_float(v0) - __uint_as_float(bh0),
+                                        r1 = __uint_as_float(v1) - __uint_as_float(bh1);
+                            const unsigned bl0 = __float_as_uint(r0), bl1 = __float_as_uint(r1);
+                            mma_tf32(acc[j][nt][0], h0, h1, h2, h3, bh0, bh1);
+                            mma_tf32(acc[j][nt][NA > 1 ? 1 : 0], h0, h1, h2, h3, bl0, bl1);
+                            mma_tf32(acc[j][nt][NA > 1 ? 2 : 0], l0, l1, l2, l3, bh0, bh1);
+                        } else {
+                            mma_tf32(acc[j][nt][0], h0, h1, h2, h3, v0, v1);
+                        }
                     }
                 }
             }
-            const float bv = bias && c0 + c < dim ? (float)bias[c0 + c] : 0.f;
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int j = 0; j < P; ++j) {
+                const int c = c_first + j;
+                const float bv = bias && c0 + c < dim ? (float)bias[c0 + c] : 0.f;
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
-                    float v = acc[nt][r] + bv;
-                    if (silu) v = v / (1.f + __expf(-v));
-                    outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
+                for (int nt = 0; nt < NT; ++nt) {
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
+                        float v = acc[j][nt][0][r];
+                        #pragma unroll
+                        for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
+                        v += bv;
+                        if (silu) v = v / (1.f + __expf(-v));
+                        outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
+                    }
                 }
             }
         }
@@ -175,10 +189,19 @@ __global__ void __launch_bounds__(32 * WARPS)
 """
 
 WIDTHS = (16, 31, 64, 128, 256)
-CONFIGS = ((128, 8), (256, 8), (128, 16), (256, 16))  # (TT, WARPS)
+# (TT, WARPS, SEP, PAIR): one accumulator a tile (the first version), then the products'
+# accumulators apart, with two channels a warp at once where a warp has two.
+CONFIGS = (
+    (128, 8, 0, 0), (256, 8, 0, 0), (128, 16, 0, 0), (256, 16, 0, 0),
+    (128, 8, 1, 1), (256, 8, 1, 1), (128, 4, 1, 1), (256, 4, 1, 1),
+    (128, 16, 1, 0), (256, 16, 1, 0),
+)  # fmt: skip
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 NAMES = [
-    f"tf32_cl<{t}, {k}, {tt}, {w}>" for t in TYPES.values() for k in WIDTHS for tt, w in CONFIGS
+    f"tf32_cl<{t}, {k}, {', '.join(map(str, c))}>"
+    for t in TYPES.values()
+    for k in WIDTHS
+    for c in CONFIGS
 ] + [f"tf32_rate<{c}>" for c in (4, 8)]
 
 
@@ -216,68 +239,95 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the (8, 5120, 2048) shape alone")
+    parser.add_argument("--dtypes", default=",".join(TYPES), help="comma-separated")
+    parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated")
+    parser.add_argument(
+        "--configs", default=None, help="TT:WARPS:SEP:PAIR, comma-separated (default all)"
+    )
+    parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     args = parser.parse_args(argv)
-    mod, sms = stand_alone_module(source(), NAMES)
+    dtypes = args.dtypes.split(",")
+    widths = [int(v) for v in args.widths.split(",")]
+    configs = (
+        [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+        if args.configs
+        else list(CONFIGS)
+    )
+    names = [
+        f"tf32_cl<{TYPES[d]}, {k}, {', '.join(map(str, c))}>"
+        for d in dtypes
+        for k in widths
+        for c in configs
+    ]
+    mod, sms = stand_alone_module(source(), names + [f"tf32_rate<{c}>" for c in (4, 8)])
 
-    sink = cp.zeros(1024, dtype=cp.float32)
-    for chains in (4, 8):
-        f = mod.get_function(f"tf32_rate<{chains}>")
-        n = 4096
-        for warps_sm in (8, 16, 32):
-            grid, args_ = (sms * warps_sm // 4,), (sink, cp.int32(n))
-            t = time_fn(lambda f=f, grid=grid, a=args_: f(grid, (128,), a), repeats=3, target_ms=10)
-            rate = sms * warps_sm * n * chains * 2 * 16 * 8 * 8 / t["us_median"] / 1e6
-            print(
-                f"tf32 m16n8k8: {chains} chains a warp, {warps_sm} warps an SM: {rate:.0f} TFLOP/s"
-            )
+    def label(config):
+        return "TT {} warps {} sep {} pair {}".format(*config)
 
-    def run_kernel(dtype, width, tt, warps, x, w, bias, out, span):
+    def run_kernel(dtype, width, config, x, w, bias, out, span):
         batch, seqlen, dim = x.shape
-        f = mod.get_function(f"tf32_cl<{TYPES[dtype]}, {width}, {tt}, {warps}>")
-        smem = smem_bytes(width, tt, x.element_size())
+        f = mod.get_function(f"tf32_cl<{TYPES[dtype]}, {width}, {', '.join(map(str, config))}>")
+        smem = smem_bytes(width, config[0], x.element_size())
         f.max_dynamic_shared_size_bytes = smem
         items = batch * -(-dim // (64 // x.element_size())) * -(-seqlen // span)
         xa, wa, ba, oa = (cp.from_dlpack(t) for t in (x, w, bias, out))
         a = (xa, wa, ba, oa, cp.int32(seqlen), cp.int32(dim), cp.int32(span), cp.int32(1))
-        return lambda: f((items,), (32 * warps,), a, shared_mem=smem)
+        return lambda: f((items,), (32 * config[1],), a, shared_mem=smem)
 
-    # Correctness on small shapes (rows and channels not multiples of the tiles) against float64.
-    rng = np.random.default_rng(0)
-    for dtype in TYPES:
-        tdt = getattr(torch, dtype)
-        rtol, atol = tolerance(dtype)
-        for width in WIDTHS:
-            for shape in ((2, 600, 40), (1, 1000, 24), (1, 200, 38)):  # (16-bit rows: even)
-                x, w, bias = (
-                    torch.tensor(a, device="cuda").to(tdt)
-                    for a in (
-                        rng.standard_normal(shape),
-                        rng.standard_normal((shape[2], width)) / np.sqrt(width),
-                        rng.standard_normal(shape[2]),
-                    )
+    if not args.no_check:
+        sink = cp.zeros(1024, dtype=cp.float32)
+        for chains in (4, 8):
+            f = mod.get_function(f"tf32_rate<{chains}>")
+            n = 4096
+            for warps_sm in (8, 16, 32):
+                grid, args_ = (sms * warps_sm // 4,), (sink, cp.int32(n))
+                t = time_fn(
+                    lambda f=f, grid=grid, a=args_: f(grid, (128,), a), repeats=3, target_ms=10
                 )
-                want = reference.causal_conv1d_fn(
-                    *(a.cpu().double().numpy() for a in (x.transpose(1, 2), w, bias)),
-                    activation="silu",
-                ).transpose(0, 2, 1)  # (batch, seqlen, dim), as x
-                for tt, warps in CONFIGS:
-                    out = torch.full_like(x, float("nan"))
-                    run_kernel(dtype, width, tt, warps, x, w, bias, out, 512)()
-                    err = np.abs(out.cpu().double().numpy() - want)
-                    bad = ~(err <= atol + rtol * np.abs(want))
-                    print(
-                        f"check {dtype} w{width} {shape} TT {tt} warps {warps}: "
-                        f"max err {np.nanmax(err):.2e}"
-                        + (f"  FAILS at {int(bad.sum())} elements" if bad.any() else ""),
-                        flush=True,
+                rate = sms * warps_sm * n * chains * 2 * 16 * 8 * 8 / t["us_median"] / 1e6
+                print(
+                    f"tf32 m16n8k8: {chains} chains a warp, {warps_sm} warps an SM: "
+                    f"{rate:.0f} TFLOP/s"
+                )
+
+        # Correctness on small shapes (rows and channels not multiples of the tiles) against
+        # float64.
+        rng = np.random.default_rng(0)
+        for dtype in dtypes:
+            tdt = getattr(torch, dtype)
+            rtol, atol = tolerance(dtype)
+            for width in widths:
+                for shape in ((2, 600, 40), (1, 1000, 24), (1, 200, 38)):  # (16-bit rows: even)
+                    x, w, bias = (
+                        torch.tensor(a, device="cuda").to(tdt)
+                        for a in (
+                            rng.standard_normal(shape),
+                            rng.standard_normal((shape[2], width)) / np.sqrt(width),
+                            rng.standard_normal(shape[2]),
+                        )
                     )
+                    want = reference.causal_conv1d_fn(
+                        *(a.cpu().double().numpy() for a in (x.transpose(1, 2), w, bias)),
+                        activation="silu",
+                    ).transpose(0, 2, 1)  # (batch, seqlen, dim), as x
+                    for config in configs:
+                        out = torch.full_like(x, float("nan"))
+                        run_kernel(dtype, width, config, x, w, bias, out, 512)()
+                        err = np.abs(out.cpu().double().numpy() - want)
+                        bad = ~(err <= atol + rtol * np.abs(want))
+                        print(
+                            f"check {dtype} w{width} {shape} {label(config)}: "
+                            f"max err {np.nanmax(err):.2e}"
+                            + (f"  FAILS at {int(bad.sum())} elements" if bad.any() else ""),
+                            flush=True,
+                        )
 
     shapes = [(8, 5120, 2048)] + ([] if args.quick else [(1, 4096, 16384)])
-    for dtype in TYPES:
+    for dtype in dtypes:
         tdt = getattr(torch, dtype)
         for batch, dim, seqlen in shapes:
             x = torch.randn(batch, seqlen, dim, device="cuda", dtype=tdt)
-            for width in WIDTHS:
+            for width in widths:
                 w = (torch.randn(dim, width, device="cuda") / width**0.5).to(tdt)
                 bias = torch.randn(dim, device="cuda").to(tdt)
                 xt = x.transpose(1, 2)  # (batch, dim, seqlen), channel-last strides
@@ -288,32 +338,33 @@ def main(argv: list[str] | None = None) -> None:
                     target_ms=10,
                 )
                 outs = {}
-                for tt, warps in CONFIGS:
+                for config in configs:
                     for span in (1024, 2048):
-                        if span > seqlen or smem_bytes(width, tt, x.element_size()) > 227 * 1024:
+                        if (
+                            span > seqlen
+                            or smem_bytes(width, config[0], x.element_size()) > 227 * 1024
+                        ):
                             continue
                         out = torch.empty_like(x)
-                        call = run_kernel(dtype, width, tt, warps, x, w, bias, out, span)
+                        call = run_kernel(dtype, width, config, x, w, bias, out, span)
                         call()
-                        outs[(tt, warps, span)] = out
-                        loops[f"TT {tt} warps {warps} span {span}"] = event_loop(call, target_ms=10)
+                        outs[(config, span)] = out
+                        loops[(config, span)] = event_loop(call, target_ms=10)
                 times = interleaved(loops, 3)
                 copy = times["copy"]["us_median"]
                 print(
                     f"({batch}, {dim}, {seqlen}) {dtype} channel-last w{width}: copy {copy:.1f} us"
                 )
                 ref = ours.transpose(1, 2).float()
-                for name, t in times.items():
-                    if name == "copy":
+                for key, t in times.items():
+                    if key == "copy":
                         continue
                     us = t["us_median"]
-                    line = f"  {name:28s} {us:8.1f} us  copy/time {copy / us:.3f}"
-                    key = (
-                        tuple(int(v) for v in name.split()[1::2]) if name.startswith("TT") else None
-                    )
-                    if key:
+                    name = key if isinstance(key, str) else f"{label(key[0])} span {key[1]}"
+                    line = f"  {name:40s} {us:8.1f} us  copy/time {copy / us:.3f}"
+                    if not isinstance(key, str):
                         diff = (outs[key].float() - ref).abs().max().item()
-                        smem = smem_bytes(width, key[0], x.element_size()) + 1024
+                        smem = smem_bytes(width, key[0][0], x.element_size()) + 1024
                         line += f"  max diff to cupyconv {diff:.1e}  {227 * 1024 // smem} blocks/SM"
                     print(line, flush=True)
 
