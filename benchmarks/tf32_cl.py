@@ -68,8 +68,9 @@ __device__ __forceinline__ int rotation(int p) {
 // T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
 // taps: one (both exact in TF32). A staged word is one float32 channel or two 16-bit ones.
 // SEP: the three products into accumulators of their own (three chains, summed at the end);
-// PAIR: a warp computes two of its channels at once (twice the chains).
-template <typename T, int K, int TT, int WARPS, int SEP, int PAIR>
+// PAIR: a warp computes two of its channels at once (twice the chains); STAT: each warp has
+// one channel (or pair) for the whole piece, its A fragments in registers from the start.
+template <typename T, int K, int TT, int WARPS, int SEP, int PAIR, int STAT>
 __global__ void __launch_bounds__(32 * WARPS)
     tf32_cl(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
             T* __restrict__ out, int seqlen, int dim, int span, int silu) {
@@ -80,6 +81,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int STAGE = NBLK * BS;
     constexpr int P = PAIR ? 2 : 1, NA = SEP && SPLIT ? 3 : 1;  // channels at once, accumulators
     static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
+    static_assert(!STAT || CH == WARPS * P, "taps in registers: one channel (pair) a warp");
     extern __shared__ __align__(16) float sm[];
     float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
     unsigned* const stage = reinterpret_cast<unsigned*>(sm + 2 * CH * TW);  // [2][STAGE] words
@@ -112,6 +114,20 @@ __global__ void __launch_bounds__(32 * WARPS)
         cp_async_commit();
     };
     copy(0);
+    // The offsets in a channel's table of the four A registers of k-step s (rows g, g + 8;
+    // columns tg, tg + 4): tap 8 s + k - m - OFF.
+    auto frag_at = [](int s, int q) { return 8 * s + (q & 1 ? -8 : 0) + (q & 2 ? 4 : 0); };
+    float2 fr[STAT ? P : 1][STAT ? KS : 1][4];
+    if constexpr (STAT) {
+        __syncthreads();  // the table is written
+        #pragma unroll
+        for (int j = 0; j < P; ++j)
+            #pragma unroll
+            for (int s = 0; s < KS; ++s)
+                #pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    fr[j][s][q] = taps[(warp * P + j) * TW + tg - g + 15 + frag_at(s, q)];
+    }
     for (int step = 0; step < n_steps; ++step) {
         if (step + 1 < n_steps) copy(step + 1);
         else cp_async_commit();
@@ -133,8 +149,13 @@ __global__ void __launch_bounds__(32 * WARPS)
                     auto value = [&](unsigned word) {
                         return SPLIT ? word : odd ? word & 0xffff0000u : word << 16;
                     };
-                    const float2 w0 = tp[8 * s], w1 = tp[8 * s - 8], w2 = tp[8 * s + 4],
-                                 w3 = tp[8 * s - 4];
+                    float2 w0, w1, w2, w3;
+                    if constexpr (STAT) {
+                        w0 = fr[j][s][0], w1 = fr[j][s][1], w2 = fr[j][s][2], w3 = fr[j][s][3];
+                    } else {
+                        w0 = tp[frag_at(s, 0)], w1 = tp[frag_at(s, 1)], w2 = tp[frag_at(s, 2)];
+                        w3 = tp[frag_at(s, 3)];
+                    }
                     const unsigned h0 = __float_as_uint(w0.x), h1 = __float_as_uint(w1.x),
                                    h2 = __float_as_uint(w2.x), h3 = __float_as_uint(w3.x);
                     #pragma unroll
@@ -196,12 +217,24 @@ CONFIGS = (
     (128, 8, 1, 1), (256, 8, 1, 1), (128, 4, 1, 1), (256, 4, 1, 1),
     (128, 16, 1, 0), (256, 16, 1, 0),
 )  # fmt: skip
+# Taps in registers (STAT: 8 KS of them): float32 (16 channels a block) at widths up to 64.
+STATIONARY = ((128, 16, 1, 0), (256, 16, 1, 0), (128, 8, 1, 1))
+STATIONARY_MAX_WIDTH = 64
+
+
+def configs_of(dtype: str, width: int, configs=CONFIGS) -> list[tuple[int, ...]]:
+    """(TT, WARPS, SEP, PAIR, STAT) of the instances built for ``dtype`` at ``width``."""
+    stationary = dtype == "float32" and width <= STATIONARY_MAX_WIDTH
+    stat = [c + (1,) for c in STATIONARY] if stationary else []
+    return [c + (0,) for c in configs] + stat
+
+
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 NAMES = [
     f"tf32_cl<{t}, {k}, {', '.join(map(str, c))}>"
-    for t in TYPES.values()
+    for d, t in TYPES.items()
     for k in WIDTHS
-    for c in CONFIGS
+    for c in configs_of(d, k)
 ] + [f"tf32_rate<{c}>" for c in (4, 8)]
 
 
@@ -242,27 +275,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default=",".join(TYPES), help="comma-separated")
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated")
     parser.add_argument(
-        "--configs", default=None, help="TT:WARPS:SEP:PAIR, comma-separated (default all)"
+        "--configs", default=None, help="TT:WARPS:SEP:PAIR:STAT, comma-separated (default all)"
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     widths = [int(v) for v in args.widths.split(",")]
-    configs = (
-        [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
-        if args.configs
-        else list(CONFIGS)
-    )
+    picked = args.configs and [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+
+    def configs(dtype, width):
+        every = configs_of(dtype, width)
+        return [c for c in picked if c in every] if picked else every
+
     names = [
         f"tf32_cl<{TYPES[d]}, {k}, {', '.join(map(str, c))}>"
         for d in dtypes
         for k in widths
-        for c in configs
+        for c in configs(d, k)
     ]
     mod, sms = stand_alone_module(source(), names + [f"tf32_rate<{c}>" for c in (4, 8)])
 
     def label(config):
-        return "TT {} warps {} sep {} pair {}".format(*config)
+        return "TT {} warps {} sep {} pair {} stat {}".format(*config)
 
     def run_kernel(dtype, width, config, x, w, bias, out, span):
         batch, seqlen, dim = x.shape
@@ -310,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                         *(a.cpu().double().numpy() for a in (x.transpose(1, 2), w, bias)),
                         activation="silu",
                     ).transpose(0, 2, 1)  # (batch, seqlen, dim), as x
-                    for config in configs:
+                    for config in configs(dtype, width):
                         out = torch.full_like(x, float("nan"))
                         run_kernel(dtype, width, config, x, w, bias, out, 512)()
                         err = np.abs(out.cpu().double().numpy() - want)
@@ -338,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
                     target_ms=10,
                 )
                 outs = {}
-                for config in configs:
+                for config in configs(dtype, width):
                     for span in (1024, 2048):
                         if (
                             span > seqlen
