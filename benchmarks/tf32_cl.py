@@ -207,6 +207,137 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
     }
 }
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as bfloat16 pairs: the high parts (rounded) and the rest, rounded again.
+__device__ __forceinline__ void split2(float2 v, unsigned& hi, unsigned& lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - __low2float(h), v.y - __high2float(h));
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// float32 x on bfloat16 m16n8k16 MMAs: x and the taps split into bfloat16 high and low parts,
+// three products a k-step of 16 (high high, high low, low high: 2^-17 relative, the library's
+// float32 split). A lane's B registers are pairs of consecutive positions of one channel, read
+// as one 8-byte load each from a staging layout (position i, channel q at (i / 16) BS + 18 q +
+// i % 16, BS = 296 = 8 mod 32) where both the 4-byte cp.async writes and the 8-byte reads meet
+// 32 banks, and packed in registers: no transposes. A is the channel's Toeplitz band from a
+// table of (high, low) pairs of taps (j, j + 1). Blocks, steps, outputs as tf32_cl.
+template <int K, int TT, int WARPS, int SEP, int PAIR>
+__global__ void __launch_bounds__(32 * WARPS)
+    bsplit_cl(const float* __restrict__ x, const float* __restrict__ w,
+              const float* __restrict__ bias, float* __restrict__ out, int seqlen, int dim,
+              int span, int silu) {
+    constexpr int CH = 16, P = PAIR ? 2 : 1, NA = SEP ? 3 : 1;
+    constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = KB + 1;
+    constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
+    constexpr int STAGE = NBLK * BS;
+    static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
+    extern __shared__ __align__(16) float sm[];
+    uint2* const taps = reinterpret_cast<uint2*>(sm);  // [CH][TW]: taps j, j + 1 (high, low)
+    float* const stage = sm + 2 * CH * TW;             // [2][STAGE]
+    float* const outs = stage + 2 * STAGE;             // [TT][CH], rows rotated
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const int groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
+    const int item = blockIdx.x, grp = item % groups, piece = item / groups % pieces;
+    const int b = item / groups / pieces;
+    const int c0 = grp * CH, t_begin = piece * span, t_end = min(seqlen, t_begin + span);
+    const int n_steps = (t_end - t_begin + TT - 1) / TT;
+    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
+        const int c = e / TW, j = e % TW - E0;
+        float v[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            v[h] = c0 + c < dim && j + h >= 0 && j + h < K ? w[(long long)(c0 + c) * K + j + h]
+                                                            : 0.f;
+        unsigned hi, lo;
+        split2(make_float2(v[0], v[1]), hi, lo);
+        taps[e] = make_uint2(hi, lo);
+    }
+    const float* const xb = x + (long long)b * seqlen * dim + c0;
+    float* const ob = out + (long long)b * seqlen * dim + c0;
+    auto copy = [&](int step) {
+        float* const st = stage + (step & 1) * STAGE;
+        const int ws = t_begin + step * TT - 16 * KB;
+        #pragma unroll 4
+        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
+            const int p = e >> 4, q = e & 15, t = ws + p;
+            const bool live = t >= 0 && t < seqlen && c0 + q < dim;
+            cp_async<4, 128>(st + (p >> 4) * BS + 18 * q + (p & 15),
+                             live ? xb + (long long)t * dim + q : x, live ? 4 : 0);
+        }
+        cp_async_commit();
+    };
+    copy(0);
+    for (int step = 0; step < n_steps; ++step) {
+        if (step + 1 < n_steps) copy(step + 1);
+        else cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const float* const st = stage + (step & 1) * STAGE;
+        #pragma unroll 1
+        for (int ci = 0; ci < CH / WARPS; ci += P) {
+            const int c_first = warp * (CH / WARPS) + ci;
+            float acc[P][NT][NA][4] = {};
+            #pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                #pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const int c = c_first + j;
+                    // a0: row g, columns 2 tg, 2 tg + 1: taps 16 s + 2 tg - g - OFF (+ 1); a1 row
+                    // g + 8 (8 taps back), a2 columns + 8 (8 on), a3 both (a0's).
+                    const uint2* const tp = taps + c * TW + E0 + 16 * s + 2 * tg - g - OFF;
+                    const uint2 t0 = tp[0], t1 = tp[-8], t2 = tp[8];
+                    const float* const xs = st + 18 * c + 2 * tg;
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const float* const src = xs + (8 * nt + g + s) * BS;
+                        unsigned bh0, bl0, bh1, bl1;
+                        split2(*reinterpret_cast<const float2*>(src), bh0, bl0);
+                        split2(*reinterpret_cast<const float2*>(src + 8), bh1, bl1);
+                        mma_bf16(acc[j][nt][0], t0.x, t1.x, t2.x, t0.x, bh0, bh1);
+                        mma_bf16(acc[j][nt][NA > 1 ? 1 : 0], t0.x, t1.x, t2.x, t0.x, bl0, bl1);
+                        mma_bf16(acc[j][nt][NA > 1 ? 2 : 0], t0.y, t1.y, t2.y, t0.y, bh0, bh1);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const int c = c_first + j;
+                const float bv = bias && c0 + c < dim ? bias[c0 + c] : 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
+                        float v = acc[j][nt][0][r];
+                        #pragma unroll
+                        for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
+                        v += bv;
+                        if (silu) v = v / (1.f + __expf(-v));
+                        outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        const int t0 = t_begin + step * TT;
+        #pragma unroll 4
+        for (int e = tid; e < TT * CH; e += 32 * WARPS) {
+            const int p = e / CH, c = e % CH, t = t0 + p;
+            if (t < t_end && c0 + c < dim)
+                ob[(long long)t * dim + c] = outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
+        }
+    }
+}
 """
 
 WIDTHS = (16, 31, 64, 128, 256)
@@ -229,19 +360,38 @@ def configs_of(dtype: str, width: int, configs=CONFIGS) -> list[tuple[int, ...]]
     return [c + (0,) for c in configs] + stat
 
 
+# bsplit_cl (float32 alone): (TT, WARPS, SEP, PAIR).
+BSPLIT = (
+    (128, 8, 0, 0), (128, 8, 1, 1), (256, 8, 1, 1), (128, 4, 1, 1), (256, 4, 1, 1),
+    (128, 16, 1, 0), (256, 16, 1, 0),
+)  # fmt: skip
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
-NAMES = [
-    f"tf32_cl<{t}, {k}, {', '.join(map(str, c))}>"
-    for d, t in TYPES.items()
-    for k in WIDTHS
-    for c in configs_of(d, k)
-] + [f"tf32_rate<{c}>" for c in (4, 8)]
 
 
-def smem_bytes(width: int, tt: int, itemsize: int) -> int:
+def instances(dtype: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(kernel, config) of every instance built for ``dtype`` at ``width``."""
+    tf32 = [("tf32", c) for c in configs_of(dtype, width)]
+    return tf32 + ([("bsplit", c) for c in BSPLIT] if dtype == "float32" else [])
+
+
+def instance_name(dtype: str, width: int, kernel: str, config: tuple[int, ...]) -> str:
+    values = ", ".join(map(str, config))
+    if kernel == "tf32":
+        return f"tf32_cl<{TYPES[dtype]}, {width}, {values}>"
+    return f"bsplit_cl<{width}, {values}>"
+
+
+NAMES = [instance_name(d, k, *i) for d in TYPES for k in WIDTHS for i in instances(d, k)] + [
+    f"tf32_rate<{c}>" for c in (4, 8)
+]
+
+
+def smem_bytes(kernel: str, width: int, tt: int, itemsize: int) -> int:
     """The kernel's shared memory: tap table, two stages, the output tile."""
     kb = -(-(width - 1) // 16)
     ch = 64 // itemsize
+    if kernel == "bsplit":
+        return ch * (16 * kb + 48) * 8 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
     return ch * (8 * (2 * kb + 2) + 16) * 8 + 2 * (kb + tt // 16) * 292 * 4 + tt * ch * 4
 
 
@@ -275,33 +425,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default=",".join(TYPES), help="comma-separated")
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated")
     parser.add_argument(
-        "--configs", default=None, help="TT:WARPS:SEP:PAIR:STAT, comma-separated (default all)"
+        "--configs",
+        default=None,
+        help="tf32:TT:WARPS:SEP:PAIR:STAT or bsplit:TT:WARPS:SEP:PAIR, comma-separated "
+        "(default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     widths = [int(v) for v in args.widths.split(",")]
-    picked = args.configs and [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    picked = args.configs and [
+        (c.split(":")[0], tuple(int(v) for v in c.split(":")[1:])) for c in args.configs.split(",")
+    ]
 
     def configs(dtype, width):
-        every = configs_of(dtype, width)
+        every = instances(dtype, width)
         return [c for c in picked if c in every] if picked else every
 
-    names = [
-        f"tf32_cl<{TYPES[d]}, {k}, {', '.join(map(str, c))}>"
-        for d in dtypes
-        for k in widths
-        for c in configs(d, k)
-    ]
+    names = [instance_name(d, k, *c) for d in dtypes for k in widths for c in configs(d, k)]
     mod, sms = stand_alone_module(source(), names + [f"tf32_rate<{c}>" for c in (4, 8)])
 
-    def label(config):
-        return "TT {} warps {} sep {} pair {} stat {}".format(*config)
+    def label(instance):
+        kernel, config = instance
+        return f"{kernel} " + " ".join(
+            f"{k} {v}" for k, v in zip(("TT", "warps", "sep", "pair", "stat"), config)
+        )
 
-    def run_kernel(dtype, width, config, x, w, bias, out, span):
+    def run_kernel(dtype, width, instance, x, w, bias, out, span):
         batch, seqlen, dim = x.shape
-        f = mod.get_function(f"tf32_cl<{TYPES[dtype]}, {width}, {', '.join(map(str, config))}>")
-        smem = smem_bytes(width, config[0], x.element_size())
+        kernel, config = instance
+        f = mod.get_function(instance_name(dtype, width, kernel, config))
+        smem = smem_bytes(kernel, width, config[0], x.element_size())
         f.max_dynamic_shared_size_bytes = smem
         items = batch * -(-dim // (64 // x.element_size())) * -(-seqlen // span)
         xa, wa, ba, oa = (cp.from_dlpack(t) for t in (x, w, bias, out))
@@ -374,10 +528,8 @@ def main(argv: list[str] | None = None) -> None:
                 outs = {}
                 for config in configs(dtype, width):
                     for span in (1024, 2048):
-                        if (
-                            span > seqlen
-                            or smem_bytes(width, config[0], x.element_size()) > 227 * 1024
-                        ):
+                        smem = smem_bytes(config[0], width, config[1][0], x.element_size())
+                        if span > seqlen or smem > 227 * 1024:
                             continue
                         out = torch.empty_like(x)
                         call = run_kernel(dtype, width, config, x, w, bias, out, span)
@@ -398,7 +550,8 @@ def main(argv: list[str] | None = None) -> None:
                     line = f"  {name:40s} {us:8.1f} us  copy/time {copy / us:.3f}"
                     if not isinstance(key, str):
                         diff = (outs[key].float() - ref).abs().max().item()
-                        smem = smem_bytes(width, key[0][0], x.element_size()) + 1024
+                        smem = smem_bytes(key[0][0], width, key[0][1][0], x.element_size())
+                        smem += 1024
                         line += f"  max diff to cupyconv {diff:.1e}  {227 * 1024 // smem} blocks/SM"
                     print(line, flush=True)
 
