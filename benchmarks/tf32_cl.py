@@ -2,7 +2,7 @@
 whose operands are one 32-bit element a register, serve channel-contiguous x without the
 transposes that 16-bit operand pairs need.
 
-    python benchmarks/tf32_cl.py [--quick]
+    python benchmarks/tf32_cl.py [--quick] [--dtypes float32] [--widths 64] [--configs ...]
 
 A block takes 64 bytes of channels (16 float32 or 32 bfloat16) of one batch row and a piece of
 ``span`` positions, and walks it in steps of TT outputs. Each step's window (the 16 KB positions
@@ -15,7 +15,15 @@ Toeplitz band (tap 8 s + k - m - OFF) from a table of the taps. float32 x and ta
 TF32 high parts (the top 19 bits) and the rest, three products a k-step (high high, high low, low
 high), which keeps float32's accuracy; bfloat16 x and taps are exact in TF32: one product.
 Outputs (bias, SiLU) go through shared memory (rows rotated by bits of the position so that both
-the fragment writes and the row reads meet 32 banks) to coalesced stores.
+the fragment writes and the row reads meet 32 banks) to coalesced stores. Variants: SEP (the
+three products' accumulators apart), PAIR (two channels a warp at once), STAT (a warp's taps in
+registers for its whole piece).
+
+``bsplit_cl`` (float32 x alone) does the same on bfloat16 m16n8k16 MMAs: x and the taps split
+into bfloat16 high and low parts (three products, 2^-17 relative, the library's float32 split),
+a lane's B pairs of consecutive positions read as 8-byte words of a float32 staging buffer and
+packed in registers, so that 16-bit operand pairs come without transposes (the kernel's comment
+has its layout).
 
 Printed: the MMA rate of m16n8k8 TF32 chains; each instance's largest error against float64 on
 small shapes; then, by dtype and width, the copy of x's bytes, cupyconv's forward and this kernel
@@ -63,6 +71,46 @@ template <int CH>
 __device__ __forceinline__ int rotation(int p) {
     if constexpr (CH == 16) return ((p >> 1) & 3) | (((p >> 5) & 3) << 2);
     else return (p & 7) | (((p >> 5) & 3) << 3);
+}
+
+// Channels c_first .. c_first + P - 1's outputs of the step (bias, SiLU) from their accumulators
+// (lane (g, tg): positions 16 (2 tg + (r & 1)) + g + 8 (r >> 1) of each 128) into the output
+// tile.
+template <int CH, typename B, int P, int NT, int NA>
+__device__ __forceinline__ void tile_outputs(const float (&acc)[P][NT][NA][4], float* outs,
+                                             const B* bias, int c0, int c_first, int dim, int lane,
+                                             int silu) {
+    const int g = lane >> 2, tg = lane & 3;
+    #pragma unroll
+    for (int j = 0; j < P; ++j) {
+        const int c = c_first + j;
+        const float bv = bias && c0 + c < dim ? (float)bias[c0 + c] : 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
+                float v = acc[j][nt][0][r];
+                #pragma unroll
+                for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
+                v += bv;
+                if (silu) v = v / (1.f + __expf(-v));
+                outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
+            }
+        }
+    }
+}
+
+// The output tile's positions t0 .. (before t_end) out to the block's channels of x's row ob.
+template <int CH, int TT, int THREADS, typename T>
+__device__ __forceinline__ void store_outputs(T* ob, const float* outs, int t0, int t_end, int c0,
+                                              int dim, int tid) {
+    #pragma unroll 4
+    for (int e = tid; e < TT * CH; e += THREADS) {
+        const int p = e / CH, c = e % CH, t = t0 + p;
+        if (t < t_end && c0 + c < dim)
+            ob[(long long)t * dim + c] = (T)outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
+    }
 }
 
 // T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
@@ -178,33 +226,10 @@ __global__ void __launch_bounds__(32 * WARPS)
                     }
                 }
             }
-            #pragma unroll
-            for (int j = 0; j < P; ++j) {
-                const int c = c_first + j;
-                const float bv = bias && c0 + c < dim ? (float)bias[c0 + c] : 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
-                        float v = acc[j][nt][0][r];
-                        #pragma unroll
-                        for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
-                        v += bv;
-                        if (silu) v = v / (1.f + __expf(-v));
-                        outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
-                    }
-                }
-            }
+            tile_outputs<CH>(acc, outs, bias, c0, c_first, dim, lane, silu);
         }
         __syncthreads();
-        const int t0 = t_begin + step * TT;
-        #pragma unroll 4
-        for (int e = tid; e < TT * CH; e += 32 * WARPS) {
-            const int p = e / CH, c = e % CH, t = t0 + p;
-            if (t < t_end && c0 + c < dim)
-                ob[(long long)t * dim + c] = (T)outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
-        }
+        store_outputs<CH, TT, 32 * WARPS>(ob, outs, t_begin + step * TT, t_end, c0, dim, tid);
     }
 }
 
@@ -309,33 +334,10 @@ __global__ void __launch_bounds__(32 * WARPS)
                     }
                 }
             }
-            #pragma unroll
-            for (int j = 0; j < P; ++j) {
-                const int c = c_first + j;
-                const float bv = bias && c0 + c < dim ? bias[c0 + c] : 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int p = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
-                        float v = acc[j][nt][0][r];
-                        #pragma unroll
-                        for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
-                        v += bv;
-                        if (silu) v = v / (1.f + __expf(-v));
-                        outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
-                    }
-                }
-            }
+            tile_outputs<CH>(acc, outs, bias, c0, c_first, dim, lane, silu);
         }
         __syncthreads();
-        const int t0 = t_begin + step * TT;
-        #pragma unroll 4
-        for (int e = tid; e < TT * CH; e += 32 * WARPS) {
-            const int p = e / CH, c = e % CH, t = t0 + p;
-            if (t < t_end && c0 + c < dim)
-                ob[(long long)t * dim + c] = outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
-        }
+        store_outputs<CH, TT, 32 * WARPS>(ob, outs, t_begin + step * TT, t_end, c0, dim, tid);
     }
 }
 """
