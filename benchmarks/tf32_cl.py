@@ -113,6 +113,56 @@ __device__ __forceinline__ void store_outputs(T* ob, const float* outs, int t0, 
     }
 }
 
+// A block's item: batch row b, channels c0 .. c0 + CH - 1, positions t_begin .. t_end - 1 in
+// n_steps steps of TT (items numbered channel group fastest, then piece, then row).
+struct Piece {
+    int b, c0, t_begin, t_end, n_steps;
+};
+template <int CH, int TT>
+__device__ __forceinline__ Piece piece_of(int seqlen, int dim, int span) {
+    const int groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
+    const int item = blockIdx.x, t_begin = item / groups % pieces * span;
+    const int t_end = min(seqlen, t_begin + span);
+    const int n_steps = (t_end - t_begin + TT - 1) / TT;
+    return Piece{item / groups / pieces, item % groups * CH, t_begin, t_end, n_steps};
+}
+
+// The steps of piece pc: step i's window (16 KB positions before it and its TT) copied by 4-byte
+// cp.async into stage buffer i % 2 (position i, word q at (i / 16) BS + QS q + i % 16; a word is
+// PER channels) while step i - 1 is computed; compute(buffer) puts the step's outputs into the
+// output tile, which then goes out.
+template <int CH, int TT, int WARPS, int KB, int BS, int QS, int PER, typename T, typename Compute>
+__device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, int seqlen,
+                                           int dim, float* stage, const float* outs,
+                                           Compute compute) {
+    constexpr int NBLK = KB + TT / 16, STAGE = NBLK * BS;
+    const int tid = threadIdx.x;
+    const T* const xb = x + (long long)pc.b * seqlen * dim + pc.c0;
+    auto copy = [&](int step) {
+        float* const st = stage + (step & 1) * STAGE;
+        const int ws = pc.t_begin + step * TT - 16 * KB;
+        #pragma unroll 4
+        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
+            const int p = e >> 4, q = e & 15, t = ws + p;
+            const bool live = t >= 0 && t < seqlen && pc.c0 + PER * q < dim;
+            cp_async<4, 128>(st + (p >> 4) * BS + QS * q + (p & 15),
+                             live ? xb + (long long)t * dim + PER * q : x, live ? 4 : 0);
+        }
+        cp_async_commit();
+    };
+    copy(0);
+    for (int step = 0; step < pc.n_steps; ++step) {
+        if (step + 1 < pc.n_steps) copy(step + 1);
+        else cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        compute(stage + (step & 1) * STAGE);
+        __syncthreads();
+        store_outputs<CH, TT, 32 * WARPS>(out + (long long)pc.b * seqlen * dim + pc.c0, outs,
+                                          pc.t_begin + step * TT, pc.t_end, pc.c0, dim, tid);
+    }
+}
+
 // T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
 // taps: one (both exact in TF32). A staged word is one float32 channel or two 16-bit ones.
 // SEP: the three products into accumulators of their own (three chains, summed at the end);
@@ -132,14 +182,11 @@ __global__ void __launch_bounds__(32 * WARPS)
     static_assert(!STAT || CH == WARPS * P, "taps in registers: one channel (pair) a warp");
     extern __shared__ __align__(16) float sm[];
     float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
-    unsigned* const stage = reinterpret_cast<unsigned*>(sm + 2 * CH * TW);  // [2][STAGE] words
-    float* const outs = sm + 2 * CH * TW + 2 * STAGE;  // [TT][CH], rows rotated
+    float* const stage = sm + 2 * CH * TW;               // [2][STAGE] words
+    float* const outs = stage + 2 * STAGE;               // [TT][CH], rows rotated
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const int groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
-    const int item = blockIdx.x, grp = item % groups, piece = item / groups % pieces;
-    const int b = item / groups / pieces;
-    const int c0 = grp * CH, t_begin = piece * span, t_end = min(seqlen, t_begin + span);
-    const int n_steps = (t_end - t_begin + TT - 1) / TT;
+    const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
+    const int c0 = pc.c0;
     for (int e = tid; e < CH * TW; e += 32 * WARPS) {
         const int c = e / TW, j = e % TW - 15 - OFF;
         const bool in = c0 + c < dim && j >= 0 && j < K;
@@ -147,21 +194,6 @@ __global__ void __launch_bounds__(32 * WARPS)
         const float h = __uint_as_float(tf32_high(v));
         taps[e] = make_float2(SPLIT ? h : v, SPLIT ? v - h : 0.f);
     }
-    const T* const xb = x + (long long)b * seqlen * dim + c0;
-    T* const ob = out + (long long)b * seqlen * dim + c0;
-    auto copy = [&](int step) {
-        unsigned* const st = stage + (step & 1) * STAGE;
-        const int ws = t_begin + step * TT - 16 * KB;
-        #pragma unroll 4
-        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
-            const int p = e >> 4, q = e & 15, t = ws + p;
-            const bool live = t >= 0 && t < seqlen && c0 + PER * q < dim;
-            cp_async<4, 128>(st + (p >> 4) * BS + 17 * q + (p & 15),
-                             live ? xb + (long long)t * dim + PER * q : x, live ? 4 : 0);
-        }
-        cp_async_commit();
-    };
-    copy(0);
     // The offsets in a channel's table of the four A registers of k-step s (rows g, g + 8;
     // columns tg, tg + 4): tap 8 s + k - m - OFF.
     auto frag_at = [](int s, int q) { return 8 * s + (q & 1 ? -8 : 0) + (q & 2 ? 4 : 0); };
@@ -176,12 +208,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                 for (int q = 0; q < 4; ++q)
                     fr[j][s][q] = taps[(warp * P + j) * TW + tg - g + 15 + frag_at(s, q)];
     }
-    for (int step = 0; step < n_steps; ++step) {
-        if (step + 1 < n_steps) copy(step + 1);
-        else cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const unsigned* const st = stage + (step & 1) * STAGE;
+    auto compute = [&](const float* buf) {
+        const unsigned* const st = reinterpret_cast<const unsigned*>(buf);
         #pragma unroll 1
         for (int ci = 0; ci < CH / WARPS; ci += P) {
             const int c_first = warp * (CH / WARPS) + ci;
@@ -228,9 +256,8 @@ __global__ void __launch_bounds__(32 * WARPS)
             }
             tile_outputs<CH>(acc, outs, bias, c0, c_first, dim, lane, silu);
         }
-        __syncthreads();
-        store_outputs<CH, TT, 32 * WARPS>(ob, outs, t_begin + step * TT, t_end, c0, dim, tid);
-    }
+    };
+    walk_piece<CH, TT, WARPS, KB, BS, 17, PER>(x, out, pc, seqlen, dim, stage, outs, compute);
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
@@ -271,11 +298,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     float* const stage = sm + 2 * CH * TW;             // [2][STAGE]
     float* const outs = stage + 2 * STAGE;             // [TT][CH], rows rotated
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const int groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
-    const int item = blockIdx.x, grp = item % groups, piece = item / groups % pieces;
-    const int b = item / groups / pieces;
-    const int c0 = grp * CH, t_begin = piece * span, t_end = min(seqlen, t_begin + span);
-    const int n_steps = (t_end - t_begin + TT - 1) / TT;
+    const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
+    const int c0 = pc.c0;
     for (int e = tid; e < CH * TW; e += 32 * WARPS) {
         const int c = e / TW, j = e % TW - E0;
         float v[2];
@@ -287,27 +311,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         split2(make_float2(v[0], v[1]), hi, lo);
         taps[e] = make_uint2(hi, lo);
     }
-    const float* const xb = x + (long long)b * seqlen * dim + c0;
-    float* const ob = out + (long long)b * seqlen * dim + c0;
-    auto copy = [&](int step) {
-        float* const st = stage + (step & 1) * STAGE;
-        const int ws = t_begin + step * TT - 16 * KB;
-        #pragma unroll 4
-        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
-            const int p = e >> 4, q = e & 15, t = ws + p;
-            const bool live = t >= 0 && t < seqlen && c0 + q < dim;
-            cp_async<4, 128>(st + (p >> 4) * BS + 18 * q + (p & 15),
-                             live ? xb + (long long)t * dim + q : x, live ? 4 : 0);
-        }
-        cp_async_commit();
-    };
-    copy(0);
-    for (int step = 0; step < n_steps; ++step) {
-        if (step + 1 < n_steps) copy(step + 1);
-        else cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const float* const st = stage + (step & 1) * STAGE;
+    auto compute = [&](const float* st) {
         #pragma unroll 1
         for (int ci = 0; ci < CH / WARPS; ci += P) {
             const int c_first = warp * (CH / WARPS) + ci;
@@ -336,9 +340,8 @@ __global__ void __launch_bounds__(32 * WARPS)
             }
             tile_outputs<CH>(acc, outs, bias, c0, c_first, dim, lane, silu);
         }
-        __syncthreads();
-        store_outputs<CH, TT, 32 * WARPS>(ob, outs, t_begin + step * TT, t_end, c0, dim, tid);
-    }
+    };
+    walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage, outs, compute);
 }
 """
 
