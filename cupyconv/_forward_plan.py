@@ -57,8 +57,6 @@ CONSTANTS = {
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
-    "CHANNEL_WIDE_TAPS_RUN": 16,  # fwd_channel_wide, taps in registers: outputs a lane at once
-    "CHANNEL_WIDE_TAP_GROUP": 4,  # fwd_channel_wide, taps in registers: taps unrolled at once
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
@@ -118,10 +116,6 @@ TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
 CHANNEL_TILES = {2: ((16, 8), (32, 4)), 4: ((16, 16), (32, 8)), 8: ((8, 16), (32, 8))}
 CHANNEL_NARROW_WIDTH = 8
 CHANNEL_WIDE_STEPS = 256  # fwd_channel_wide: most time steps a tile
-# fwd_channel_wide with its taps in registers (float32 accumulators): the instances, by the most
-# taps each holds; wider filters, and float64, read the taps from shared memory.
-CHANNEL_WIDE_TAPS = (32, 64)
-
 GENERAL_THREADS = 256  # fwd_general and fwd_final_states: threads per block
 WIDTHS = range(1, 257)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -257,8 +251,7 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     if width <= (CHANNEL_NARROW_WIDTH if seq else CHANNEL_MAX_WIDTH):
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     if width > CHANNEL_NARROW_WIDTH and not seq:
-        taps = channel_wide_taps(dtype, width)
-        table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}, {taps}>")
+        table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
@@ -578,37 +571,21 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
     )  # fmt: skip
 
 
-def channel_wide_taps(dtype: str, width: int) -> int:
-    """fwd_channel_wide's TAPS for x of ``dtype`` at ``width``: the fewest of CHANNEL_WIDE_TAPS
-    that hold the filter (float32 accumulators), else 0."""
-    if dtype == "float64":
-        return 0
-    return next((t for t in CHANNEL_WIDE_TAPS if width <= t), 0)
-
-
-def channel_wide_reach(taps: int, width: int) -> int:
-    """Input rows past a tile's steps, plus one, that fwd_channel_wide reads: the width, or with
-    taps in registers the width rounded up to CHANNEL_WIDE_TAP_GROUP (zero taps past it)."""
-    group = CONSTANTS["CHANNEL_WIDE_TAP_GROUP"]
-    return -(-width // group) * group if taps else width
-
-
 def _plan_channel_wide(x, out, width, name, itemsize, device) -> Launch | None:
     """The tile's steps and the block's shared memory: one or two buffers of the tile's steps +
-    E - 1 input rows (E: ``channel_wide_reach``) and its K tap rows, each row 32 lanes' 8-byte
-    slots. Two buffers (the next tile copied while this one is computed) of up to
-    CHANNEL_WIDE_STEPS steps where they fit a block, halving the steps down to
-    CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one; None where even one buffer of the shortest
-    tiles does not fit (from width 135 on sm_86 and sm_89): the general kernel then."""
+    K - 1 input rows and its K tap rows, each row 32 lanes' 8-byte slots. Two buffers (the
+    next tile copied while this one is computed) of up to CHANNEL_WIDE_STEPS steps where they
+    fit a block, halving the steps down to CHANNEL_WIDE_WARPS x CHANNEL_WIDE_RUN, else one;
+    None where even one buffer of the shortest tiles does not fit (from width 135 on sm_86 and
+    sm_89): the general kernel then."""
     batch, dim, seqlen = x.shape
     lanes = 8 // acc_bytes(itemsize)  # channels a lane
     least = CONSTANTS["CHANNEL_WIDE_WARPS"] * CONSTANTS["CHANNEL_WIDE_RUN"]
     longest = min(CHANNEL_WIDE_STEPS, -(-seqlen // least) * least)
     limit = shared_memory_limit(device)
-    reach = channel_wide_reach(channel_wide_taps(x.dtype_name, width), width)
 
     def inputs_bytes(steps):  # (the taps' rows follow the inputs')
-        return (steps + reach - 1) * 32 * 8
+        return (steps + width - 1) * 32 * 8
 
     def buffer_bytes(steps):
         return inputs_bytes(steps) + width * 32 * 8

@@ -2,36 +2,24 @@
 // uses it above CHANNEL_NARROW_WIDTH where fwd_channel and fwd_mma do not serve), without
 // seq_idx.
 //
-//   fwd_channel_wide<T, TAPS>
+//   fwd_channel_wide<T>
 //       a block of CHANNEL_WIDE_WARPS warps computes tiles of 32 V channels x p.steps time
-//       steps, V = 8 / sizeof(A): a lane's channels are 8 bytes of accumulators. TAPS = 0: any
-//       width, the taps read from shared memory; TAPS > 0 (float32 accumulators, widths up to
-//       TAPS): each warp's channel's taps in registers.
+//       steps, V = 8 / sizeof(A): a lane's channels are 8 bytes of accumulators.
 //
-// A tile's p.steps + E - 1 input rows (zeros or initial_states before the row, zeros past it;
-// E = K, or K rounded up to CHANNEL_WIDE_TAP_GROUP with TAPS) and its K taps sit in shared
-// memory as A, a lane's V values as one 8-byte slot: rows of 32 slots, the taps' rows after the
-// inputs' (byte p.weights_at of a buffer of p.buffer_bytes). float32 and float64 x and taps of
-// x's accumulation dtype are copied by cp.async, the rest through registers. With p.buffers = 2
-// the block copies its next tile into the other buffer while it computes this one. Tiles are
+// A tile's p.steps + K - 1 input rows (zeros or initial_states before the row, zeros past it)
+// and its K taps sit in shared memory as A, a lane's V values as one 8-byte slot: rows of 32
+// slots, the taps' rows after the inputs' (byte p.weights_at of a buffer of p.buffer_bytes).
+// float32 and float64 x and taps of x's accumulation dtype are copied by cp.async, the rest
+// through registers. With p.buffers = 2 the block copies its next tile into the other buffer
+// while it computes this one. Each warp computes p.steps / CHANNEL_WIDE_WARPS steps of the
+// tile, R = CHANNEL_WIDE_RUN outputs of each of its lane's channels at a time: a tap is one
+// shared load of V taps for R V FMAs, and the inputs slide through a ring of R registers that
+// the loop over the taps, unrolled R at a time, indexes at compile time (the last width % R
+// taps in a predicated tail). Lanes read consecutive slots: no bank conflicts. Tiles are
 // numbered channels fastest, so that the blocks at work read neighbouring channels.
-//
-// TAPS = 0: each warp computes p.steps / CHANNEL_WIDE_WARPS steps of the tile, R =
-// CHANNEL_WIDE_RUN outputs of each of its lane's channels at a time: a tap is one shared load
-// of V taps for R V FMAs, and the inputs slide through a ring of R registers that the loop over
-// the taps, unrolled R at a time, indexes at compile time (the last width % R taps in a
-// predicated tail). Lanes read consecutive slots: no bank conflicts.
-//
-// TAPS > 0: warp w computes channel w % 2 of each lane's slot for p.steps / (CHANNEL_WIDE_WARPS
-// / 2) steps of the tile, holding that channel's taps (scaled for SiLU, zeros from K to TAPS) in
-// registers, RT = CHANNEL_WIDE_TAPS_RUN outputs at a time: a tap is one shared load of an input
-// for RT FMAs, against a ring of RT input registers, the taps unrolled in groups of
-// CHANNEL_WIDE_TAP_GROUP up to the group that holds tap K - 1. The zero taps of that group meet
-// inputs past their outputs' windows, so outputs that come out non-finite are computed again
-// from their own taps.
 #include "fwd_common.cuh"
 
-template <typename T, int TAPS>
+template <typename T>
 __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
     fwd_channel_wide(FWD_ARRAYS, const __grid_constant__ FwdChannelWideParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
@@ -50,8 +38,7 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
     const int width = (int)p.width, weight_dtype = (int)p.weight_dtype, bias_dtype = (int)p.bias_dtype,
               silu_act = (int)p.silu_act, steps = (int)p.steps, x_aligned = (int)p.x_aligned,
               out_aligned = (int)p.out_aligned, two = p.buffers == 2;
-    static_assert(TAPS == 0 || same_type<A, float>, "taps in registers: float32 accumulators");
-    const int rows = (int)(p.weights_at / (32 * sizeof(Slot)));  // (the input rows: the taps' follow)
+    const int rows = steps + width - 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int64 strips = (dim + 32 * V - 1) / (32 * V), chunks = (seqlen + steps - 1) / steps;
@@ -133,121 +120,61 @@ __global__ void __launch_bounds__(32 * CHANNEL_WIDE_WARPS)
         else cp_async_wait<0>();
         __syncthreads();  // the tile's rows and taps are in buffer buf
 
-        if constexpr (TAPS == 0) {
-            const Raw* const xs = buffer(buf) + lane;
-            const Raw* const ws = reinterpret_cast<const Raw*>(reinterpret_cast<unsigned char*>(buffer(buf)) + p.weights_at) + lane;
-            const int per_warp = steps / WARPS;
-            #pragma unroll 1
-            for (int o = warp * per_warp; t.c0 < dim && o < (warp + 1) * per_warp && t.t0 + o < seqlen; o += R) {
-                // Output o + r reads rows o + r + k, k < width; win[(r + j) % R] holds row o + k0 + j
-                // + r at tap k0 + j.
-                const Raw* const xr = xs + o * 32;
-                A acc[R][V], win[R][V];
+        const Raw* const xs = buffer(buf) + lane;
+        const Raw* const ws = reinterpret_cast<const Raw*>(reinterpret_cast<unsigned char*>(buffer(buf)) + p.weights_at) + lane;
+        const int per_warp = steps / WARPS;
+        #pragma unroll 1
+        for (int o = warp * per_warp; t.c0 < dim && o < (warp + 1) * per_warp && t.t0 + o < seqlen; o += R) {
+            // Output o + r reads rows o + r + k, k < width; win[(r + j) % R] holds row o + k0 + j
+            // + r at tap k0 + j.
+            const Raw* const xr = xs + o * 32;
+            A acc[R][V], win[R][V];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
                 #pragma unroll
-                for (int r = 0; r < R; ++r) {
+                for (int j = 0; j < V; ++j) acc[r][j] = bias_v[j];
+                if (r < R - 1) {
+                    Slot s;
+                    s.raw = xr[r * 32];
                     #pragma unroll
-                    for (int j = 0; j < V; ++j) acc[r][j] = bias_v[j];
-                    if (r < R - 1) {
-                        Slot s;
-                        s.raw = xr[r * 32];
-                        #pragma unroll
-                        for (int j = 0; j < V; ++j) win[r][j] = s.e[j];
-                    }
-                }
-                auto tap = [&](int k, int j) {  // tap k = k0 + j, j < R known at compile time
-                    Slot s, w;
-                    s.raw = xr[(k + R - 1) * 32];
-                    w.raw = ws[k * 32];
-                    #pragma unroll
-                    for (int v = 0; v < V; ++v) win[(j + R - 1) % R][v] = s.e[v];
-                    #pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        #pragma unroll
-                        for (int v = 0; v < V; ++v) acc[r][v] += w.e[v] * win[(r + j) % R][v];
-                };
-                int k0 = 0;
-                #pragma unroll 1
-                for (; k0 + R <= width; k0 += R) {
-                    #pragma unroll
-                    for (int j = 0; j < R; ++j) tap(k0 + j, j);
-                }
-                #pragma unroll
-                for (int j = 0; j < R - 1; ++j)
-                    if (k0 + j < width) tap(k0 + j, j);
-
-                const bool whole = t.c0 + V <= dim;
-                T* dst = out + t.b * out_batch_stride + t.c0 * out_c_stride + (t.t0 + o) * out_l_stride;
-                #pragma unroll
-                for (int r = 0; r < R; ++r, dst += out_l_stride) {
-                    if (t.t0 + o + r >= seqlen) break;
-                    In res;
-                    #pragma unroll
-                    for (int j = 0; j < V; ++j) res.e[j] = from_acc<T>(finish(acc[r][j], false, silu_act));
-                    if (out_aligned && whole) {
-                        *reinterpret_cast<typename In::Raw*>(dst) = res.raw;
-                    } else {
-                        #pragma unroll
-                        for (int j = 0; j < V; ++j)
-                            if (t.c0 + j < dim) dst[j * out_c_stride] = res.e[j];
-                    }
+                    for (int j = 0; j < V; ++j) win[r][j] = s.e[j];
                 }
             }
-        } else {
-            // Warp w: channel v = w % 2 of each lane's slot, steps (w / 2) per .. of the tile.
-            constexpr int RT = CHANNEL_WIDE_TAPS_RUN, ROW = 2 * 32;  // (ROW: floats a row)
-            static_assert(WARPS * R % (WARPS / 2 * RT) == 0, "a warp's steps (the plan's tiles: WARPS R apart) are whole passes");
-            const int v = warp & 1, per = steps / (WARPS / 2);
-            const float* const xs = reinterpret_cast<const float*>(buffer(buf)) + 2 * lane + v;
-            const float* const ws = reinterpret_cast<const float*>(reinterpret_cast<unsigned char*>(buffer(buf)) + p.weights_at) + 2 * lane + v;
-            float b0 = bias_v[0];
-            #pragma unroll
-            for (int j = 1; j < V; ++j) b0 = v == j ? bias_v[j] : b0;  // (bias_v stays in registers)
-            const float scale = act_scale<float>(silu_act);
-            b0 *= scale;
-            float wr[TAPS];  // the taps, scaled: silu_scaled takes the sums
-            #pragma unroll
-            for (int k = 0; k < TAPS; ++k) wr[k] = k < width ? scale * ws[k * ROW] : 0.f;
+            auto tap = [&](int k, int j) {  // tap k = k0 + j, j < R known at compile time
+                Slot s, w;
+                s.raw = xr[(k + R - 1) * 32];
+                w.raw = ws[k * 32];
+                #pragma unroll
+                for (int v = 0; v < V; ++v) win[(j + R - 1) % R][v] = s.e[v];
+                #pragma unroll
+                for (int r = 0; r < R; ++r)
+                    #pragma unroll
+                    for (int v = 0; v < V; ++v) acc[r][v] += w.e[v] * win[(r + j) % R][v];
+            };
+            int k0 = 0;
             #pragma unroll 1
-            for (int o = (warp >> 1) * per; t.c0 + v < dim && o < ((warp >> 1) + 1) * per && t.t0 + o < seqlen; o += RT) {
-                // Output o + r reads rows o + r + k; at tap k, win[(r + k) % RT] holds row o + r + k.
-                const float* const xr = xs + o * ROW;
-                float acc[RT], win[RT];
+            for (; k0 + R <= width; k0 += R) {
                 #pragma unroll
-                for (int r = 0; r < RT; ++r) {
-                    acc[r] = b0;
-                    if (r < RT - 1) win[r] = xr[r * ROW];
-                }
-                constexpr int G = CHANNEL_WIDE_TAP_GROUP;
+                for (int j = 0; j < R; ++j) tap(k0 + j, j);
+            }
+            #pragma unroll
+            for (int j = 0; j < R - 1; ++j)
+                if (k0 + j < width) tap(k0 + j, j);
+
+            const bool whole = t.c0 + V <= dim;
+            T* dst = out + t.b * out_batch_stride + t.c0 * out_c_stride + (t.t0 + o) * out_l_stride;
+            #pragma unroll
+            for (int r = 0; r < R; ++r, dst += out_l_stride) {
+                if (t.t0 + o + r >= seqlen) break;
+                In res;
                 #pragma unroll
-                for (int k0 = 0; k0 < TAPS; k0 += G) {
-                    if (k0 >= width) break;
+                for (int j = 0; j < V; ++j) res.e[j] = from_acc<T>(finish(acc[r][j], false, silu_act));
+                if (out_aligned && whole) {
+                    *reinterpret_cast<typename In::Raw*>(dst) = res.raw;
+                } else {
                     #pragma unroll
-                    for (int j = 0; j < G; ++j) {
-                        const int k = k0 + j;
-                        win[(k + RT - 1) % RT] = xr[(k + RT - 1) * ROW];
-                        #pragma unroll
-                        for (int r = 0; r < RT; ++r) acc[r] = fmaf(wr[k], win[(r + k) % RT], acc[r]);
-                    }
-                }
-                float sum = 0.f;
-                #pragma unroll
-                for (int r = 0; r < RT; ++r) sum += acc[r];
-                if (!isfinite(sum)) {  // (rare) the outputs that are not finite, from their own taps
-                    #pragma unroll
-                    for (int r = 0; r < RT; ++r) {  // (unrolled: acc stays in registers)
-                        if (isfinite(acc[r])) continue;
-                        float z = b0;
-                        #pragma unroll 1
-                        for (int k = 0; k < width; ++k) z = fmaf(scale * ws[k * ROW], xr[(r + k) * ROW], z);
-                        acc[r] = z;
-                    }
-                }
-                T* dst = out + t.b * out_batch_stride + (t.c0 + v) * out_c_stride + (t.t0 + o) * out_l_stride;
-                const bool whole = t.t0 + o + RT <= seqlen;  // (else the row ends inside the pass)
-                #pragma unroll
-                for (int r = 0; r < RT; ++r, dst += out_l_stride) {
-                    if (!whole && t.t0 + o + r >= seqlen) break;
-                    *dst = from_acc<T>(silu_act ? silu_scaled(acc[r]) : acc[r]);
+                    for (int j = 0; j < V; ++j)
+                        if (t.c0 + j < dim) dst[j * out_c_stride] = res.e[j];
                 }
             }
         }

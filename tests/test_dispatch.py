@@ -88,10 +88,8 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CL, 8, "fwd_channel<float, 8, false, 16, 16>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_channel<float, 9, false, 32, 8>", id="cl-width9"),
         pytest.param(CL, 16, "fwd_channel<float, 16, false, 32, 8>", id="cl-width16"),
-        pytest.param(CL, 17, "fwd_channel_wide<float, 32>", id="cl-width17"),
-        pytest.param(CL, 33, "fwd_channel_wide<float, 64>", id="cl-width33"),
-        pytest.param(CL, 65, "fwd_channel_wide<float, 0>", id="cl-width65"),
-        pytest.param(CL, 256, "fwd_channel_wide<float, 0>", id="cl-width256"),
+        pytest.param(CL, 17, "fwd_channel_wide<float>", id="cl-width17"),
+        pytest.param(CL, 256, "fwd_channel_wide<float>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
             id="time-stride2",
@@ -278,8 +276,8 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 64, f"fwd_mma<{H}, 5, false, 0>", f"fwd_mma_cl<{H}, 5>"),
         # float16 x: with other weights time-contiguous only (split into bfloat16 parts);
         # states of x's dtype
-        (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}, 64>"),
-        (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}, 64>"),
+        (F16, F32, None, 64, f"fwd_mma<{H}, 5, true, 0>", f"fwd_channel_wide<{H}>"),
+        (F16, F16, F32, 64, f"fwd_time_wide<{H}, false>", f"fwd_channel_wide<{H}>"),
         (F16, F16, F16, 18, f"fwd_mma<{H}, 3, false, 0>", f"fwd_mma_cl<{H}, 3>"),
         # time-contiguous x: fwd_time up to width 13; channel-contiguous: fwd_channel up to 9
         (F16, F16, None, 16, f"fwd_mma<{H}, 2, false, 0>", f"fwd_mma_cl<{H}, 2>"),
@@ -298,10 +296,10 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
         # float32 x: time-contiguous on tensor cores (x and taps split), channel-contiguous not
-        (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_channel_wide<float, 64>"),
-        (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float, 32>"),
-        (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float, 32>"),
-        (F16, F32, None, 17, f"fwd_time<{H}, 17, false, 2, 4>", f"fwd_channel_wide<{H}, 32>"),
+        (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_channel_wide<float>"),
+        (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
+        (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float>"),
+        (F16, F32, None, 17, f"fwd_time<{H}, 17, false, 2, 4>", f"fwd_channel_wide<{H}>"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("layout", ("cf", "cl"))
@@ -633,7 +631,7 @@ def test_time_wide_layout(launches, monkeypatch, limit, dtype, seq, width, warps
 @pytest.mark.parametrize(
     "limit,width,steps,buffers",
     [
-        (SM90_SMEM, 17, 256, 2), (SM90_SMEM, 58, 256, 2), (SM90_SMEM, 64, 256, 2),
+        (SM90_SMEM, 17, 256, 2), (SM90_SMEM, 64, 256, 2),
         (SM90_SMEM, 128, 128, 2),  # shorter tiles, so that two buffers fit
         (SM90_SMEM, 256, 256, 1),  # two buffers do not fit at any length: one
         (SM86_SMEM, 134, 128, 1), (SM86_SMEM, 135, None, 0),  # the shortest tiles do not fit
@@ -642,20 +640,16 @@ def test_time_wide_layout(launches, monkeypatch, limit, dtype, seq, width, warps
 def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps, buffers):
     """fwd_channel_wide's tiles: two buffers of CHANNEL_WIDE_STEPS steps, halved where two
     buffers would not fit a block, else one buffer; the general kernel where one buffer of the
-    shortest tiles does not fit. Up to width 64 the taps sit in registers (TAPS 32 or 64) and
-    the tile's input rows reach to the width rounded up to CHANNEL_WIDE_TAP_GROUP."""
+    shortest tiles does not fit."""
     fake_device(monkeypatch, limit)
     cupyconv.causal_conv1d_fn(channel_last(2, 40, 3000), weight(40, width))
     ((name, plan, params),) = launches
     if steps is None:
         assert name == "fwd_general<float>"
         return
-    taps = 32 if width <= 32 else 64 if width <= 64 else 0
-    assert name == f"fwd_channel_wide<float, {taps}>"
+    assert name == "fwd_channel_wide<float>"
     assert (params["steps"], params["buffers"]) == (steps, buffers)
-    group = _forward_plan.CONSTANTS["CHANNEL_WIDE_TAP_GROUP"]
-    reach = -(-width // group) * group if taps else width
-    assert params["weights_at"] == (steps + reach - 1) * 32 * 8  # rows of 32 8-byte slots
+    assert params["weights_at"] == (steps + width - 1) * 32 * 8  # rows of 32 8-byte slots
     assert params["buffer_bytes"] == params["weights_at"] + width * 32 * 8
     assert plan.smem == buffers * params["buffer_bytes"] <= limit
     assert plan.block == (32 * _forward_plan.CONSTANTS["CHANNEL_WIDE_WARPS"], 1)

@@ -230,9 +230,7 @@ FORWARD = {
     (SHAPE, 100, "cf", "float16", "float32", (), 900): "fwd_mma",
     (SHAPE, 256, "cf", "bfloat16", None, ("states",), 900): "fwd_mma",
     (SHAPE, 64, "cf", "float64", None, (), 900): "fwd_time_wide",
-    (SHAPE, 64, "cl", "float32", None, (), 900): "fwd_channel_wide",  # (taps in registers)
-    (SHAPE, 29, "cl", "float32", None, ("non_finite",), 900): "fwd_channel_wide",  # (zero taps)
-    (SHAPE, 100, "cl", "float32", None, ("states",), 900): "fwd_channel_wide",  # (taps shared)
+    (SHAPE, 64, "cl", "float32", None, (), 900): "fwd_channel_wide",
     (SHAPE, 9, "cl_odd", "bfloat16", None, ("seq_idx",), 900): "fwd_general",
 }
 BACKWARD = {

@@ -411,9 +411,8 @@ def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
 @pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
 def test_channel_last_wide_filters(dtype, wdtype, layout):
     """Channel-last widths above 8 without seq_idx (fwd_channel up to 16 where the rows split
-    into its lane vectors, else fwd_channel_wide, with float32 sums its taps in registers up to
-    width 64 (29: zero taps in its last group); fwd_mma from 16 for 16-bit x and weights): tiles
-    past the last channel and time step, states before the row, with and without bias and
+    into its lane vectors, else fwd_channel_wide; fwd_mma from 16 for 16-bit x and weights):
+    tiles past the last channel and time step, states before the row, with and without bias and
     activation."""
     widths = (9, 16, 17, 29, 33, 64, 100, 256)
     cases = itertools.product(widths, ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
