@@ -94,22 +94,33 @@ __device__ __forceinline__ void tile_outputs(const float (&acc)[P][NT][NA][4], f
                 #pragma unroll
                 for (int a = 1; a < NA; ++a) v += acc[j][nt][a][r];
                 v += bv;
-                if (silu) v = v / (1.f + __expf(-v));
+                if (silu) v = __fdividef(v, 1.f + __expf(-v));
                 outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))] = v;
             }
         }
     }
 }
 
-// The output tile's positions t0 .. (before t_end) out to the block's channels of x's row ob.
+// The output tile's positions t0 .. (before t_end) out to the block's channels of x's row ob: a
+// thread keeps its channel and steps its pointer THREADS / CH positions at a time (whole steps
+// unchecked).
 template <int CH, int TT, int THREADS, typename T>
 __device__ __forceinline__ void store_outputs(T* ob, const float* outs, int t0, int t_end, int c0,
                                               int dim, int tid) {
-    #pragma unroll 4
-    for (int e = tid; e < TT * CH; e += THREADS) {
-        const int p = e / CH, c = e % CH, t = t0 + p;
-        if (t < t_end && c0 + c < dim)
-            ob[(long long)t * dim + c] = (T)outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))];
+    constexpr int ROWS = THREADS / CH;
+    static_assert(THREADS % CH == 0 && TT % ROWS == 0 && (ROWS & (ROWS - 1)) == 0, "rows");
+    const int c = tid & (CH - 1), p0 = (tid / CH) & (ROWS - 1);
+    if (c0 + c >= dim) return;
+    T* dst = ob + (long long)(t0 + p0) * dim + c;
+    const long long stride = (long long)ROWS * dim;
+    auto value = [&](int p) { return (T)outs[CH * p + ((c + rotation<CH>(p)) & (CH - 1))]; };
+    if (t0 + TT <= t_end) {
+        #pragma unroll
+        for (int k = 0; k < TT / ROWS; ++k) dst[k * stride] = value(p0 + ROWS * k);
+    } else {
+        #pragma unroll
+        for (int k = 0; k < TT / ROWS; ++k)
+            if (t0 + p0 + ROWS * k < t_end) dst[k * stride] = value(p0 + ROWS * k);
     }
 }
 
@@ -138,15 +149,31 @@ __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, 
     constexpr int NBLK = KB + TT / 16, STAGE = NBLK * BS;
     const int tid = threadIdx.x;
     const T* const xb = x + (long long)pc.b * seqlen * dim + pc.c0;
+    // A thread keeps its word q and steps through the window ROWS positions at a time; windows
+    // inside the row go unchecked.
+    constexpr int ROWS = 2 * WARPS, ITERS = (NBLK * 16 + ROWS - 1) / ROWS;
+    static_assert((ROWS & (ROWS - 1)) == 0, "rows");
+    const int q = tid & 15, p0 = (tid >> 4) & (ROWS - 1);
+    const bool q_live = pc.c0 + PER * q < dim;
+    const long long stride = (long long)ROWS * dim;
     auto copy = [&](int step) {
-        float* const st = stage + (step & 1) * STAGE;
+        float* const st = stage + (step & 1) * STAGE + QS * q;
         const int ws = pc.t_begin + step * TT - 16 * KB;
-        #pragma unroll 4
-        for (int e = tid; e < NBLK * 16 * 16; e += 32 * WARPS) {
-            const int p = e >> 4, q = e & 15, t = ws + p;
-            const bool live = t >= 0 && t < seqlen && pc.c0 + PER * q < dim;
-            cp_async<4, 128>(st + (p >> 4) * BS + QS * q + (p & 15),
-                             live ? xb + (long long)t * dim + PER * q : x, live ? 4 : 0);
+        const T* const src = xb + (long long)(ws + p0) * dim + PER * q;
+        auto at = [&](int k) { const int p = p0 + ROWS * k; return st + (p >> 4) * BS + (p & 15); };
+        constexpr bool EVEN = ITERS * ROWS == NBLK * 16;
+        if (q_live && ws >= 0 && ws + NBLK * 16 <= seqlen) {
+            #pragma unroll
+            for (int k = 0; k < ITERS; ++k)
+                if (EVEN || p0 + ROWS * k < NBLK * 16) cp_async<4, 128>(at(k), src + k * stride, 4);
+        } else {
+            #pragma unroll
+            for (int k = 0; k < ITERS; ++k) {
+                const int t = ws + p0 + ROWS * k;
+                const bool live = q_live && t >= 0 && t < seqlen;
+                if (EVEN || p0 + ROWS * k < NBLK * 16)
+                    cp_async<4, 128>(at(k), live ? src + k * stride : x, live ? 4 : 0);
+            }
         }
         cp_async_commit();
     };
@@ -271,8 +298,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
 // Two floats as bfloat16 pairs: the high parts (rounded) and the rest, rounded again.
 __device__ __forceinline__ void split2(float2 v, unsigned& hi, unsigned& lo) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - __low2float(h), v.y - __high2float(h));
     hi = *reinterpret_cast<const unsigned*>(&h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - __uint_as_float(hi << 16),
+                                                   v.y - __uint_as_float(hi & 0xffff0000u));
     lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
@@ -343,6 +371,98 @@ __global__ void __launch_bounds__(32 * WARPS)
     };
     walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage, outs, compute);
 }
+
+// bsplit_cl with x split once a step: each warp turns its channels' words of the staged window
+// into bfloat16 parts in place before its MMAs (word 2 t of a position block: the high parts of
+// positions 2 t, 2 t + 1; word 2 t + 1: of 2 t + 8, 2 t + 9; words 2 t + 8, 2 t + 9 their low
+// parts), so that a lane's B registers are one 8-byte load for the high parts and one for the
+// low ones, already packed. A comes from tables of high and low tap pairs; DUP: entry j holds
+// the pairs at j and j - 8, so that an A quad is two 8-byte loads. SEP: the three products'
+// accumulators apart (three chains of KS MMAs instead of one of 3 KS).
+template <int K, int TT, int WARPS, int DUP, int SEP>
+__global__ void __launch_bounds__(32 * WARPS)
+    psplit_cl(const float* __restrict__ x, const float* __restrict__ w,
+              const float* __restrict__ bias, float* __restrict__ out, int seqlen, int dim,
+              int span, int silu) {
+    constexpr int CH = 16, WORDS = DUP ? 2 : 1;
+    constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = KB + 1;
+    constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
+    constexpr int STAGE = NBLK * BS, PER_WARP = CH / WARPS;
+    static_assert(TT % 128 == 0 && CH % WARPS == 0, "tiles");
+    extern __shared__ __align__(16) float sm[];
+    unsigned* const th = reinterpret_cast<unsigned*>(sm);  // [CH][TW][WORDS]: high parts
+    unsigned* const tl = th + CH * TW * WORDS;              // low parts
+    float* const stage = sm + 2 * CH * TW * WORDS;          // [2][STAGE]
+    float* const outs = stage + 2 * STAGE;                  // [TT][CH], rows rotated
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
+    const int c0 = pc.c0;
+    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
+        const int c = e / TW, j0 = e % TW - E0;
+        #pragma unroll
+        for (int d = 0; d < WORDS; ++d) {
+            const int j = j0 - 8 * d;
+            float v[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+                v[h] = c0 + c < dim && j + h >= 0 && j + h < K
+                           ? w[(long long)(c0 + c) * K + j + h] : 0.f;
+            split2(make_float2(v[0], v[1]), th[WORDS * e + d], tl[WORDS * e + d]);
+        }
+    }
+    auto compute = [&](const float* cst) {
+        float* const st = const_cast<float*>(cst);
+        // This warp's channels' words, split in place (lanes: t, then blocks, then channels).
+        #pragma unroll
+        for (int i = 0; i < (PER_WARP * NBLK * 4 + 31) / 32; ++i) {
+            const int e = lane + 32 * i, t = e & 3, b = (e >> 2) % NBLK;
+            const int c = warp * PER_WARP + (e >> 2) / NBLK;
+            if (e < PER_WARP * NBLK * 4) {
+                float* const wp = st + b * BS + 18 * c + 2 * t;
+                unsigned h0, l0, h1, l1;
+                split2(*reinterpret_cast<const float2*>(wp), h0, l0);
+                split2(*reinterpret_cast<const float2*>(wp + 8), h1, l1);
+                *reinterpret_cast<uint2*>(wp) = make_uint2(h0, h1);
+                *reinterpret_cast<uint2*>(wp + 8) = make_uint2(l0, l1);
+            }
+        }
+        __syncwarp();
+        #pragma unroll 1
+        for (int ci = 0; ci < PER_WARP; ++ci) {
+            const int c = warp * PER_WARP + ci;
+            constexpr int NA = SEP ? 3 : 1;
+            float acc[1][NT][NA][4] = {};
+            #pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const int at = c * TW + E0 + 16 * s + 2 * tg - g - OFF;
+                unsigned ah[4], al[4];
+                if constexpr (DUP) {
+                    const uint2 h01 = reinterpret_cast<const uint2*>(th)[at];
+                    const uint2 h23 = reinterpret_cast<const uint2*>(th)[at + 8];
+                    const uint2 l01 = reinterpret_cast<const uint2*>(tl)[at];
+                    const uint2 l23 = reinterpret_cast<const uint2*>(tl)[at + 8];
+                    ah[0] = h01.x, ah[1] = h01.y, ah[2] = h23.x, ah[3] = h23.y;
+                    al[0] = l01.x, al[1] = l01.y, al[2] = l23.x, al[3] = l23.y;
+                } else {
+                    ah[0] = th[at], ah[1] = th[at - 8], ah[2] = th[at + 8], ah[3] = ah[0];
+                    al[0] = tl[at], al[1] = tl[at - 8], al[2] = tl[at + 8], al[3] = al[0];
+                }
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const float* const src = st + (8 * nt + g + s) * BS + 18 * c + 2 * tg;
+                    const uint2 bh = *reinterpret_cast<const uint2*>(src);
+                    const uint2 bl = *reinterpret_cast<const uint2*>(src + 8);
+                    float(&d)[NA][4] = acc[0][nt];
+                    mma_bf16(d[0], ah[0], ah[1], ah[2], ah[3], bh.x, bh.y);
+                    mma_bf16(d[SEP ? 1 : 0], ah[0], ah[1], ah[2], ah[3], bl.x, bl.y);
+                    mma_bf16(d[SEP ? 2 : 0], al[0], al[1], al[2], al[3], bh.x, bh.y);
+                }
+            }
+            tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
+        }
+    };
+    walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage, outs, compute);
+}
 """
 
 WIDTHS = (16, 31, 64, 128, 256)
@@ -366,9 +486,11 @@ def configs_of(dtype: str, width: int, configs=CONFIGS) -> list[tuple[int, ...]]
 
 
 # bsplit_cl (float32 alone): (TT, WARPS, SEP, PAIR).
-BSPLIT = (
-    (128, 8, 0, 0), (128, 8, 1, 1), (256, 8, 1, 1), (128, 4, 1, 1), (256, 4, 1, 1),
-    (128, 16, 1, 0), (256, 16, 1, 0),
+BSPLIT = ((128, 8, 0, 0), (128, 8, 1, 1))
+# psplit_cl (float32 alone): (TT, WARPS, DUP, SEP).
+PSPLIT = (
+    (128, 8, 1, 0), (128, 8, 1, 1), (128, 8, 0, 1), (256, 8, 1, 1), (256, 8, 0, 1),
+    (128, 16, 1, 1), (256, 16, 0, 1),
 )  # fmt: skip
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 
@@ -376,14 +498,15 @@ TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 def instances(dtype: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
     """(kernel, config) of every instance built for ``dtype`` at ``width``."""
     tf32 = [("tf32", c) for c in configs_of(dtype, width)]
-    return tf32 + ([("bsplit", c) for c in BSPLIT] if dtype == "float32" else [])
+    split = [("bsplit", c) for c in BSPLIT] + [("psplit", c) for c in PSPLIT]
+    return tf32 + (split if dtype == "float32" else [])
 
 
 def instance_name(dtype: str, width: int, kernel: str, config: tuple[int, ...]) -> str:
     values = ", ".join(map(str, config))
     if kernel == "tf32":
         return f"tf32_cl<{TYPES[dtype]}, {width}, {values}>"
-    return f"bsplit_cl<{width}, {values}>"
+    return f"{kernel}_cl<{width}, {values}>"
 
 
 NAMES = [instance_name(d, k, *i) for d in TYPES for k in WIDTHS for i in instances(d, k)] + [
@@ -391,12 +514,19 @@ NAMES = [instance_name(d, k, *i) for d in TYPES for k in WIDTHS for i in instanc
 ]
 
 
-def smem_bytes(kernel: str, width: int, tt: int, itemsize: int) -> int:
+def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) -> int:
     """The kernel's shared memory: tap table, two stages, the output tile."""
     kb = -(-(width - 1) // 16)
+    tt = config[0]
     ch = 64 // itemsize
     if kernel == "bsplit":
         return ch * (16 * kb + 48) * 8 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
+    if kernel == "psplit":
+        return (
+            2 * ch * (16 * kb + 48) * 4 * (1 + config[2])
+            + 2 * (kb + tt // 16) * 296 * 4
+            + tt * ch * 4
+        )
     return ch * (8 * (2 * kb + 2) + 16) * 8 + 2 * (kb + tt // 16) * 292 * 4 + tt * ch * 4
 
 
@@ -432,7 +562,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default=None,
-        help="tf32:TT:WARPS:SEP:PAIR:STAT or bsplit:TT:WARPS:SEP:PAIR, comma-separated "
+        help="tf32:TT:WARPS:SEP:PAIR:STAT, bsplit:TT:WARPS:SEP:PAIR or psplit:TT:WARPS:DUP:SEP, "
+        "comma-separated "
         "(default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
@@ -452,15 +583,16 @@ def main(argv: list[str] | None = None) -> None:
 
     def label(instance):
         kernel, config = instance
-        return f"{kernel} " + " ".join(
-            f"{k} {v}" for k, v in zip(("TT", "warps", "sep", "pair", "stat"), config)
+        fields = (
+            ("TT", "warps", "dup") if kernel == "psplit" else ("TT", "warps", "sep", "pair", "stat")
         )
+        return f"{kernel} " + " ".join(f"{k} {v}" for k, v in zip(fields, config))
 
     def run_kernel(dtype, width, instance, x, w, bias, out, span):
         batch, seqlen, dim = x.shape
         kernel, config = instance
         f = mod.get_function(instance_name(dtype, width, kernel, config))
-        smem = smem_bytes(kernel, width, config[0], x.element_size())
+        smem = smem_bytes(kernel, width, config, x.element_size())
         f.max_dynamic_shared_size_bytes = smem
         items = batch * -(-dim // (64 // x.element_size())) * -(-seqlen // span)
         xa, wa, ba, oa = (cp.from_dlpack(t) for t in (x, w, bias, out))
@@ -533,7 +665,7 @@ def main(argv: list[str] | None = None) -> None:
                 outs = {}
                 for config in configs(dtype, width):
                     for span in (1024, 2048):
-                        smem = smem_bytes(config[0], width, config[1][0], x.element_size())
+                        smem = smem_bytes(config[0], width, config[1], x.element_size())
                         if span > seqlen or smem > 227 * 1024:
                             continue
                         out = torch.empty_like(x)
@@ -555,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
                     line = f"  {name:40s} {us:8.1f} us  copy/time {copy / us:.3f}"
                     if not isinstance(key, str):
                         diff = (outs[key].float() - ref).abs().max().item()
-                        smem = smem_bytes(key[0][0], width, key[0][1][0], x.element_size())
+                        smem = smem_bytes(key[0][0], width, key[0][1], x.element_size())
                         smem += 1024
                         line += f"  max diff to cupyconv {diff:.1e}  {227 * 1024 // smem} blocks/SM"
                     print(line, flush=True)

@@ -57,6 +57,11 @@ CONSTANTS = {
     "CHANNEL_WARPS": 4,  # fwd_channel: warps per block (1 and 2 measured the same)
     "CHANNEL_WIDE_WARPS": 16,  # fwd_channel_wide: warps per block (one block an SM)
     "CHANNEL_WIDE_RUN": 8,  # fwd_channel_wide: outputs a lane computes at once, per channel
+    "SPLIT_CL_WARPS": 8,  # fwd_split_cl: warps a block (two channels each)
+    "SPLIT_CL_CHANNELS": 16,  # fwd_split_cl: channels a block (a position's 64 bytes)
+    "SPLIT_CL_STAGE_BLOCK": 296,  # fwd_split_cl: words a staged block of 16 positions takes
+    "SPLIT_CL_STEP": 256,  # fwd_split_cl: outputs a step (a TT of 128 ran slower from KS 4)
+    "SPLIT_CL_BLOCKS": 2,  # fwd_split_cl: blocks an SM its registers are budgeted for (128)
 }
 TIME_MAX_WIDTH = 17  # fwd_time up to this width; wider time-contiguous x: fwd_time_wide
 # fwd_mma (16-bit x, tensor cores) from these widths on: time-contiguous x (fwd_time is faster
@@ -107,6 +112,10 @@ MMA_CL_ROW_BUFFERS = (2, 1)
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
 MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
+# fwd_split_cl: float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH (fwd_channel_wide below,
+# the crossover measured on an H100), items of up to SPLIT_CL_SPAN positions, halved (down to one
+# step) while they would not fill the device twice. benchmarks/NOTES.md, "fwd_split_cl".
+SPLIT_CL_MIN_WIDTH, SPLIT_CL_SPAN = 38, 2048
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
@@ -180,6 +189,10 @@ CHANNEL = Kernel(
     ("out_aligned", "strip_divisor", "step_divisor"),
     pdl=True,
 )  # fmt: skip
+SPLIT_CL = Kernel(
+    "fwd_split_cl", "fwd_split_cl.cu", "FwdSplitClParams",
+    ("span", "tap_row", "stage_at", "outs_at"), pdl=True,
+)  # fmt: skip
 CHANNEL_WIDE = Kernel(
     "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams",
     (*_ALIGNED, "steps", "weights_at", "buffer_bytes", "buffers"),
@@ -189,7 +202,9 @@ GENERAL = Kernel(
     "fwd_general", "fwd_general.cu", "FwdGeneralParams", ("channels_fastest",), pdl=True
 )
 FINAL_STATES = Kernel("fwd_final_states", "fwd_general.cu", "FwdFinalParams", pdl=True)
-KERNELS = (TIME, MMA, MMA_TIME, MMA_CL, TIME_WIDE, CHANNEL, CHANNEL_WIDE, GENERAL, FINAL_STATES)
+KERNELS = (
+    TIME, MMA, MMA_TIME, MMA_CL, TIME_WIDE, CHANNEL, SPLIT_CL, CHANNEL_WIDE, GENERAL, FINAL_STATES,
+)  # fmt: skip
 
 SOURCES = bind_sources(
     KERNELS, "cupyconv/_forward_plan.py (CONSTANTS, FIELDS, KERNELS)", CONSTANTS, FIELDS
@@ -211,7 +226,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
     memory than LEAST_SMEM_LIMIT;
     "mma_time_<groups>" fwd_mma_time up to MMA_TIME_MAX_STEPS for each chunk shape;
     time-contiguous float32 x takes fwd_mma from MMA_XSPLIT_MIN_WIDTH on, split into bfloat16
-    parts."""
+    parts, channel-contiguous float32 x fwd_split_cl ("split_cl") from SPLIT_CL_MIN_WIDTH on,
+    where the states allow it and its block fits, else "channel_wide"."""
     t = C_TYPES[dtype]
     s = "true" if seq else "false"
     steps, lane_bytes = channel_tile(ITEMSIZE[dtype], width)
@@ -252,6 +268,8 @@ def forward_kernels(dtype: str, width: int, seq: bool) -> dict[str, tuple[Source
         table["channel"] = (CHANNEL, f"fwd_channel<{t}, {width}, {s}, {steps}, {lane_bytes}>")
     if width > CHANNEL_NARROW_WIDTH and not seq:
         table["channel_wide"] = (CHANNEL_WIDE, f"fwd_channel_wide<{t}>")
+    if dtype == "float32" and not seq and width >= SPLIT_CL_MIN_WIDTH:
+        table["split_cl"] = (SPLIT_CL, f"fwd_split_cl<{t}, {mma_steps(width)}>")
     table["final_states"] = (FINAL_STATES, f"fwd_final_states<{t}>")  # as plan_final_states
     return {kind: (kernel.source, name) for kind, (kernel, name) in table.items()}
 
@@ -337,6 +355,10 @@ def _plan_forward(
             return plan
     if x_c == 1 and "channel" in table and _channel_vectors(x, itemsize, width):
         return _plan_channel(x, out, table["channel"][1], itemsize, width)
+    if x_c == 1 and "split_cl" in table and mma:  # (mma: the states allow tensor cores)
+        plan = _plan_split_cl(x, width, table["split_cl"][1], device)
+        if plan is not None:
+            return plan
     if x_c == 1 and "channel_wide" in table:
         plan = _plan_channel_wide(x, out, width, table["channel_wide"][1], itemsize, device)
         if plan is not None:
@@ -568,6 +590,41 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
         name, grid, (32 * warps, 1),
         out_aligned=_channel_vectors(out, itemsize, width),
         strip_divisor=fast_divisor(strips), step_divisor=fast_divisor(steps_per_row),
+    )  # fmt: skip
+
+
+def split_cl_shared_memory(ks: int) -> tuple[int, int, int, int]:
+    """fwd_split_cl's block at ``ks`` k-steps: (tap_row, stage_at, outs_at, bytes). Two tap tables
+    (high and low parts) of tap_row words a channel (16 (KS - 1) + 48: the pairs a lane's A
+    fragments reach, from word 17 to 16 (KS - 1) + 46), two staging buffers of KS - 1 + TT / 16
+    blocks of SPLIT_CL_STAGE_BLOCK words, and the output tile (TT positions of the channels)."""
+    channels, tt = CONSTANTS["SPLIT_CL_CHANNELS"], CONSTANTS["SPLIT_CL_STEP"]
+    tap_row = 16 * (ks - 1) + 48
+    stage_at = 2 * channels * tap_row * 4
+    outs_at = stage_at + 2 * (ks - 1 + tt // 16) * CONSTANTS["SPLIT_CL_STAGE_BLOCK"] * 4
+    return tap_row, stage_at, outs_at, outs_at + tt * channels * 4
+
+
+def _plan_split_cl(x, width, name, device) -> Launch | None:
+    """Blocks of SPLIT_CL_WARPS warps, one an item (SPLIT_CL_CHANNELS channels of a piece of
+    ``span`` positions of a batch row; a block takes the next item of the grid's stride past
+    MAX_GRID); None where its block does not fit the device's shared memory (fwd_channel_wide
+    then)."""
+    batch, dim, seqlen = x.shape
+    ks = mma_steps(width)
+    tap_row, stage_at, outs_at, smem = split_cl_shared_memory(ks)
+    if smem > shared_memory_limit(device):
+        return None
+    threads, tt = 32 * CONSTANTS["SPLIT_CL_WARPS"], CONSTANTS["SPLIT_CL_STEP"]
+    groups = -(-dim // CONSTANTS["SPLIT_CL_CHANNELS"])
+    resident = resident_blocks(device, SPLIT_CL.source, name, threads, smem)
+    span = SPLIT_CL_SPAN
+    while span > tt and batch * groups * -(-seqlen // span) < 2 * resident:
+        span //= 2
+    items = batch * groups * -(-seqlen // span)
+    return SPLIT_CL.launch(
+        name, min(items, MAX_GRID), (threads, 1), smem, span=span, tap_row=tap_row,
+        stage_at=stage_at, outs_at=outs_at,
     )  # fmt: skip
 
 

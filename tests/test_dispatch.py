@@ -89,7 +89,9 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CL, 9, "fwd_channel<float, 9, false, 32, 8>", id="cl-width9"),
         pytest.param(CL, 16, "fwd_channel<float, 16, false, 32, 8>", id="cl-width16"),
         pytest.param(CL, 17, "fwd_channel_wide<float>", id="cl-width17"),
-        pytest.param(CL, 256, "fwd_channel_wide<float>", id="cl-width256"),
+        pytest.param(CL, 37, "fwd_channel_wide<float>", id="cl-width37"),
+        pytest.param(CL, 38, "fwd_split_cl<float, 4>", id="cl-width38"),
+        pytest.param(CL, 256, "fwd_split_cl<float, 17>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
             id="time-stride2",
@@ -296,9 +298,12 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
         # float32 x: time-contiguous on tensor cores (x and taps split), channel-contiguous not
-        (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_channel_wide<float>"),
+        (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_split_cl<float, 5>"),
+        (F32, F16, None, 40, "fwd_mma<float, 4, true, 0>", "fwd_split_cl<float, 4>"),
         (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
         (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float>"),
+        # float32 x with states of another dtype: the CUDA-core kernels
+        (F32, F32, F16, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
         (F16, F32, None, 17, f"fwd_time<{H}, 17, false, 2, 4>", f"fwd_channel_wide<{H}>"),
     ],
 )  # fmt: skip
@@ -638,21 +643,61 @@ def test_time_wide_layout(launches, monkeypatch, limit, dtype, seq, width, warps
     ],
 )  # fmt: skip
 def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps, buffers):
-    """fwd_channel_wide's tiles: two buffers of CHANNEL_WIDE_STEPS steps, halved where two
-    buffers would not fit a block, else one buffer; the general kernel where one buffer of the
-    shortest tiles does not fit."""
+    """fwd_channel_wide's tiles (float16 x, float32 weights: 8-byte slots of two float32
+    sums): two buffers of CHANNEL_WIDE_STEPS steps, halved where two buffers would not fit a
+    block, else one buffer; the general kernel where one buffer of the shortest tiles does not
+    fit."""
     fake_device(monkeypatch, limit)
-    cupyconv.causal_conv1d_fn(channel_last(2, 40, 3000), weight(40, width))
+    cupyconv.causal_conv1d_fn(channel_last(2, 40, 3000, dtype=F16), weight(40, width))
     ((name, plan, params),) = launches
     if steps is None:
-        assert name == "fwd_general<float>"
+        assert name == "fwd_general<__half>"
         return
-    assert name == "fwd_channel_wide<float>"
+    assert name == "fwd_channel_wide<__half>"
     assert (params["steps"], params["buffers"]) == (steps, buffers)
     assert params["weights_at"] == (steps + width - 1) * 32 * 8  # rows of 32 8-byte slots
     assert params["buffer_bytes"] == params["weights_at"] + width * 32 * 8
     assert plan.smem == buffers * params["buffer_bytes"] <= limit
     assert plan.block == (32 * _forward_plan.CONSTANTS["CHANNEL_WIDE_WARPS"], 1)
+
+
+@pytest.mark.parametrize(
+    "limit,width,shape,span",
+    [
+        (SM90_SMEM, 64, (8, 5120, 2048), 2048),  # 2560 items fill 1056 resident blocks twice
+        (SM90_SMEM, 38, (1, 64, 16384), 256),  # 4 channel groups: halved down to one step
+        (SM90_SMEM, 40, (8, 1024, 4096), 512),  # the first span whose items reach 2 x 132 x 8
+        (SM90_SMEM, 256, (2, 40, 3000), 256),
+        (SM86_SMEM, 145, (2, 40, 3000), 256),  # KS 10, the last whose block fits
+        (SM86_SMEM, 146, (2, 40, 3000), None),  # (fwd_channel_wide's does not either)
+    ],
+)  # fmt: skip
+def test_split_cl_plan(launches, monkeypatch, limit, width, shape, span):
+    """fwd_split_cl (float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH on): blocks of
+    SPLIT_CL_WARPS warps, one an item of SPLIT_CL_CHANNELS channels and ``span`` positions
+    (SPLIT_CL_SPAN halved, down to the step's TT outputs, while the items would not fill the
+    resident blocks twice), its shared memory as split_cl_shared_memory lays it out; where that
+    does not fit the device, the next kernel (fwd_channel_wide, here the general one)."""
+    fake_device(monkeypatch, limit)
+    batch, dim, seqlen = shape
+    cupyconv.causal_conv1d_fn(channel_last(batch, dim, seqlen), weight(dim, width))
+    ((name, plan, params),) = launches
+    ks = _launch.mma_steps(width)
+    if span is None:
+        assert name == "fwd_general<float>"
+        assert _forward_plan.split_cl_shared_memory(ks)[3] > limit
+        return
+    tt = _forward_plan.CONSTANTS["SPLIT_CL_STEP"]
+    assert name == f"fwd_split_cl<float, {ks}>"
+    tap_row, stage_at, outs_at, smem = _forward_plan.split_cl_shared_memory(ks)
+    assert (params["span"], params["tap_row"]) == (span, 16 * (ks - 1) + 48)
+    assert (params["stage_at"], params["outs_at"]) == (stage_at, outs_at)
+    assert stage_at == 2 * 16 * tap_row * 4  # two tables of tap pairs a channel
+    stage_words = (ks - 1 + tt // 16) * _forward_plan.CONSTANTS["SPLIT_CL_STAGE_BLOCK"]
+    assert outs_at - stage_at == 2 * stage_words * 4 and smem - outs_at == tt * 16 * 4
+    assert plan.smem == smem <= limit
+    assert plan.block == (32 * _forward_plan.CONSTANTS["SPLIT_CL_WARPS"], 1)
+    assert plan.grid == batch * -(-dim // 16) * -(-seqlen // span)
 
 
 @pytest.mark.parametrize("limit", (SM90_SMEM, SM80_SMEM, SM86_SMEM), ids=("sm90", "sm80", "sm86"))
@@ -678,6 +723,6 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
                     assert 1 <= plan.grid <= 2**31 - 1, where
                     wide = layout in ("cl", "cl_slice") and width > 8
                     fallbacks += wide and name.startswith("fwd_general")
-    # float32 and float64 channel-last from width 135 on sm_86 (16-bit x takes fwd_mma): 2
-    # dtypes x 2 layouts x 2 lengths x 122 widths.
-    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 8 * 122}[limit]
+    # Channel-last on sm_86, 2 layouts x 2 lengths: float64 from width 135 (122 widths), float32
+    # where fwd_split_cl's block does not fit either, from width 146 (111; 16-bit x takes fwd_mma).
+    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 4 * 122 + 4 * 111}[limit]

@@ -475,10 +475,11 @@ def test_split_window_on_tensor_cores(dtype, wdtype, layout):
 @pytest.mark.parametrize(
     "layout,dtype,wdtype,width,segments,kernel",
     [
-        ("cl", "float32", "float32", 17, 0, "fwd_channel_wide"),  # two buffers
+        ("cl", "float32", "float32", 17, 0, "fwd_channel_wide"),
+        ("cl", "float32", "float32", 40, 0, "fwd_split_cl"),
         ("cl", "float64", "float64", 100, 0, "fwd_channel_wide"),
         ("cl", "float16", "float32", 64, 0, "fwd_channel_wide"),  # x through registers
-        ("cl", "float32", "bfloat16", 200, 0, "fwd_channel_wide"),  # one buffer, taps converted
+        ("cl", "float32", "bfloat16", 200, 0, "fwd_split_cl"),  # taps converted
         ("cf", "float32", "float32", 33, 2, "fwd_time_wide"),  # seq_idx
         ("cf", "float32", "float32", 33, 0, "fwd_mma"),  # the window split
         ("cf", "float16", "float32", 64, 0, "fwd_mma"),
@@ -494,15 +495,16 @@ def test_wide_kernels_in_a_grid_of_one_block(
     monkeypatch, layout, dtype, wdtype, width, segments, kernel
 ):
     """The wide kernels (fwd_channel_wide, fwd_time_wide, fwd_mma on a split window,
-    fwd_mma_cl) with a grid of one main block: its warps take every tile (row, item) in turn, so
-    the copies of the next tile (span) into the other buffer, the taps staged again for each
-    tile (row), a last strip of 8 channels and last tiles cut by the row's end all run many
-    times in one launch; the blocks after it write the final states (the main warps step by the
-    main blocks alone)."""
+    fwd_mma_cl, fwd_split_cl) with a grid of one main block: its warps take every tile (row,
+    item) in turn, so the copies of the next tile (span) into the other buffer, the taps staged
+    again for each tile (row), a last strip of 8 channels and last tiles cut by the row's end
+    all run many times in one launch; the blocks after it write the final states (the main
+    warps step by the main blocks alone)."""
     from cupyconv import _fast, _forward_plan
 
     resident = _forward_plan.resident_blocks  # (which also opts into the shared memory)
     monkeypatch.setattr(_forward_plan, "resident_blocks", lambda *args: min(1, resident(*args)))
+    monkeypatch.setattr(_forward_plan, "MAX_GRID", 1)  # (fwd_split_cl: a block an item)
     monkeypatch.setattr(_forward_plan, "_plans", {})
     monkeypatch.setattr(_fast, "_calls", {})
     run_case(
