@@ -23,7 +23,10 @@ registers for its whole piece).
 into bfloat16 high and low parts (three products, 2^-17 relative, the library's float32 split),
 a lane's B pairs of consecutive positions read as 8-byte words of a float32 staging buffer and
 packed in registers, so that 16-bit operand pairs come without transposes (the kernel's comment
-has its layout).
+has its layout). ``psplit_cl`` splits each x pair once a step instead: each warp turns its
+channels' words of the staged window into bfloat16 high and low parts in place, laid out so
+that a lane's B registers are one 8-byte load of each (the library's ``fwd_split_cl`` is this
+kernel in the library's frame).
 
 Printed: the MMA rate of m16n8k8 TF32 chains; each instance's largest error against float64 on
 small shapes; then, by dtype and width, the copy of x's bytes, cupyconv's forward and this kernel
@@ -567,6 +570,13 @@ def main(argv: list[str] | None = None) -> None:
         "(default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
+    parser.add_argument(
+        "--carveout",
+        type=int,
+        default=None,
+        help="these kernels' preferred shared-memory carveout in percent (cupyconv's kernels take "
+        "100; default: the driver's choice)",
+    )
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     widths = [int(v) for v in args.widths.split(",")]
@@ -594,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
         f = mod.get_function(instance_name(dtype, width, kernel, config))
         smem = smem_bytes(kernel, width, config, x.element_size())
         f.max_dynamic_shared_size_bytes = smem
+        if args.carveout is not None:
+            f.preferred_shared_memory_carveout = args.carveout
         items = batch * -(-dim // (64 // x.element_size())) * -(-seqlen // span)
         xa, wa, ba, oa = (cp.from_dlpack(t) for t in (x, w, bias, out))
         a = (xa, wa, ba, oa, cp.int32(seqlen), cp.int32(dim), cp.int32(span), cp.int32(1))
