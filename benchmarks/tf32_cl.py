@@ -307,6 +307,13 @@ __device__ __forceinline__ void split2(float2 v, unsigned& hi, unsigned& lo) {
     lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
+// Taps j and j + 1 of channel c (zeros outside the filter and past the channels).
+template <int K>
+__device__ __forceinline__ float2 tap_pair(const float* w, int c, int j, int dim) {
+    auto tap = [&](int k) { return c < dim && k >= 0 && k < K ? w[(long long)c * K + k] : 0.f; };
+    return make_float2(tap(j), tap(j + 1));
+}
+
 // float32 x on bfloat16 m16n8k16 MMAs: x and the taps split into bfloat16 high and low parts,
 // three products a k-step of 16 (high high, high low, low high: 2^-17 relative, the library's
 // float32 split). A lane's B registers are pairs of consecutive positions of one channel, read
@@ -332,14 +339,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
     const int c0 = pc.c0;
     for (int e = tid; e < CH * TW; e += 32 * WARPS) {
-        const int c = e / TW, j = e % TW - E0;
-        float v[2];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            v[h] = c0 + c < dim && j + h >= 0 && j + h < K ? w[(long long)(c0 + c) * K + j + h]
-                                                            : 0.f;
         unsigned hi, lo;
-        split2(make_float2(v[0], v[1]), hi, lo);
+        split2(tap_pair<K>(w, c0 + e / TW, e % TW - E0, dim), hi, lo);
         taps[e] = make_uint2(hi, lo);
     }
     auto compute = [&](const float* st) {
@@ -400,19 +401,11 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
     const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
     const int c0 = pc.c0;
-    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
-        const int c = e / TW, j0 = e % TW - E0;
+    for (int e = tid; e < CH * TW; e += 32 * WARPS)
         #pragma unroll
-        for (int d = 0; d < WORDS; ++d) {
-            const int j = j0 - 8 * d;
-            float v[2];
-            #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                v[h] = c0 + c < dim && j + h >= 0 && j + h < K
-                           ? w[(long long)(c0 + c) * K + j + h] : 0.f;
-            split2(make_float2(v[0], v[1]), th[WORDS * e + d], tl[WORDS * e + d]);
-        }
-    }
+        for (int d = 0; d < WORDS; ++d)
+            split2(tap_pair<K>(w, c0 + e / TW, e % TW - E0 - 8 * d, dim), th[WORDS * e + d],
+                   tl[WORDS * e + d]);
     auto compute = [&](const float* cst) {
         float* const st = const_cast<float*>(cst);
         // This warp's channels' words, split in place (lanes: t, then blocks, then channels).
