@@ -145,6 +145,9 @@ __device__ __forceinline__ Piece piece_of(int seqlen, int dim, int span) {
 // cp.async into stage buffer i % 2 (position i, word q at (i / 16) BS + QS q + i % 16; a word is
 // PER channels) while step i - 1 is computed; compute(buffer) puts the step's outputs into the
 // output tile, which then goes out.
+// ALIAS (outs null): compute leaves the step's outputs in its window's words (output position
+// p at window position 16 KB + p), and the next step's copy goes out after the step's first
+// barrier, when no thread still reads that buffer's outputs of two steps before.
 template <int CH, int TT, int WARPS, int KB, int BS, int QS, int PER, typename T, typename Compute>
 __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, int seqlen,
                                            int dim, float* stage, const float* outs,
@@ -181,15 +184,37 @@ __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, 
         cp_async_commit();
     };
     copy(0);
+    T* const ob = out + (long long)pc.b * seqlen * dim + pc.c0;
     for (int step = 0; step < pc.n_steps; ++step) {
-        if (step + 1 < pc.n_steps) copy(step + 1);
-        else cp_async_commit();
-        cp_async_wait<1>();
+        float* const st = stage + (step & 1) * STAGE;
+        const int t0 = pc.t_begin + step * TT;
+        if (outs) {
+            if (step + 1 < pc.n_steps) copy(step + 1);
+            else cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (step + 1 < pc.n_steps) copy(step + 1);
+        }
+        compute(st);
         __syncthreads();
-        compute(stage + (step & 1) * STAGE);
-        __syncthreads();
-        store_outputs<CH, TT, 32 * WARPS>(out + (long long)pc.b * seqlen * dim + pc.c0, outs,
-                                          pc.t_begin + step * TT, pc.t_end, pc.c0, dim, tid);
+        if (outs) {
+            store_outputs<CH, TT, 32 * WARPS>(ob, outs, t0, pc.t_end, pc.c0, dim, tid);
+        } else {  // (float32, CH = 16: a thread's channel q, positions p0 + 2 WARPS k)
+            constexpr int ROWS2 = 32 * WARPS / CH;
+            const int c = tid & (CH - 1), p1 = (tid / CH) & (ROWS2 - 1);
+            if (pc.c0 + c < dim) {
+                #pragma unroll
+                for (int k = 0; k < TT / ROWS2; ++k) {
+                    const int p = p1 + ROWS2 * k;
+                    if (t0 + p < pc.t_end)
+                        ob[(long long)(t0 + p) * dim + c] =
+                            (T)st[(KB + (p >> 4)) * BS + QS * c + (p & 15)];
+                }
+            }
+        }
     }
 }
 
@@ -382,8 +407,10 @@ __global__ void __launch_bounds__(32 * WARPS)
 // parts), so that a lane's B registers are one 8-byte load for the high parts and one for the
 // low ones, already packed. A comes from tables of high and low tap pairs; DUP: entry j holds
 // the pairs at j and j - 8, so that an A quad is two 8-byte loads. SEP: the three products'
-// accumulators apart (three chains of KS MMAs instead of one of 3 KS).
-template <int K, int TT, int WARPS, int DUP, int SEP>
+// accumulators apart (three chains of KS MMAs instead of one of 3 KS). ALIAS: no output tile;
+// each channel's outputs go into its own words of the window once its MMAs are done
+// (walk_piece's ALIAS), 8 or 16 KB less shared memory a block.
+template <int K, int TT, int WARPS, int DUP, int SEP, int ALIAS>
 __global__ void __launch_bounds__(32 * WARPS)
     psplit_cl(const float* __restrict__ x, const float* __restrict__ w,
               const float* __restrict__ bias, float* __restrict__ out, int seqlen, int dim,
@@ -454,10 +481,26 @@ __global__ void __launch_bounds__(32 * WARPS)
                     mma_bf16(d[SEP ? 2 : 0], al[0], al[1], al[2], al[3], bh.x, bh.y);
                 }
             }
-            tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
+            if constexpr (ALIAS) {
+                const float bv = bias && c0 + c < dim ? bias[c0 + c] : 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        float v = acc[0][nt][0][r] + bv;
+                        #pragma unroll
+                        for (int a = 1; a < NA; ++a) v += acc[0][nt][a][r];
+                        if (silu) v = __fdividef(v, 1.f + __expf(-v));
+                        // position 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1) of the step
+                        st[(KB + 8 * nt + 2 * tg + (r & 1)) * BS + 18 * c + g + 8 * (r >> 1)] = v;
+                    }
+            } else {
+                tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
+            }
         }
     };
-    walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage, outs, compute);
+    walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage,
+                                             ALIAS ? nullptr : outs, compute);
 }
 """
 
@@ -483,10 +526,10 @@ def configs_of(dtype: str, width: int, configs=CONFIGS) -> list[tuple[int, ...]]
 
 # bsplit_cl (float32 alone): (TT, WARPS, SEP, PAIR).
 BSPLIT = ((128, 8, 0, 0), (128, 8, 1, 1))
-# psplit_cl (float32 alone): (TT, WARPS, DUP, SEP).
+# psplit_cl (float32 alone): (TT, WARPS, DUP, SEP, ALIAS).
 PSPLIT = (
-    (128, 8, 1, 0), (128, 8, 1, 1), (128, 8, 0, 1), (256, 8, 1, 1), (256, 8, 0, 1),
-    (128, 16, 1, 1), (256, 16, 0, 1),
+    (128, 8, 1, 0, 0), (128, 8, 0, 1, 0), (256, 8, 1, 1, 0), (256, 8, 0, 1, 0),
+    (128, 8, 0, 1, 1), (256, 8, 0, 1, 1), (256, 8, 0, 0, 1),
 )  # fmt: skip
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 
@@ -511,17 +554,18 @@ NAMES = [instance_name(d, k, *i) for d in TYPES for k in WIDTHS for i in instanc
 
 
 def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) -> int:
-    """The kernel's shared memory: tap table, two stages, the output tile."""
+    """The kernel's shared memory: tap table, two stages, the output tile (but for psplit_cl's
+    ALIAS)."""
     kb = -(-(width - 1) // 16)
     tt = config[0]
     ch = 64 // itemsize
     if kernel == "bsplit":
         return ch * (16 * kb + 48) * 8 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
-    if kernel == "psplit":
+    if kernel == "psplit":  # (ALIAS, config[4]: no output tile)
         return (
             2 * ch * (16 * kb + 48) * 4 * (1 + config[2])
             + 2 * (kb + tt // 16) * 296 * 4
-            + tt * ch * 4
+            + (1 - config[4]) * tt * ch * 4
         )
     return ch * (8 * (2 * kb + 2) + 16) * 8 + 2 * (kb + tt // 16) * 292 * 4 + tt * ch * 4
 
@@ -558,9 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default=None,
-        help="tf32:TT:WARPS:SEP:PAIR:STAT, bsplit:TT:WARPS:SEP:PAIR or psplit:TT:WARPS:DUP:SEP, "
-        "comma-separated "
-        "(default all)",
+        help="tf32:TT:WARPS:SEP:PAIR:STAT, bsplit:TT:WARPS:SEP:PAIR or "
+        "psplit:TT:WARPS:DUP:SEP:ALIAS, comma-separated (default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     parser.add_argument(
