@@ -46,12 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, from any d
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's cupyconv
 
 KERNEL = r"""
+// (The CPU emulator, tests/emulation.py, has no TF32 MMA: there the tf32 kernels are not run.)
 __device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                          unsigned a3, unsigned b0, unsigned b1) {
+#ifndef CPC_ARCH
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
 }
 __device__ __forceinline__ unsigned tf32_high(float v) { return __float_as_uint(v) & 0xffffe000u; }
 
@@ -237,7 +240,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int P = PAIR ? 2 : 1, NA = SEP && SPLIT ? 3 : 1;  // channels at once, accumulators
     static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
     static_assert(!STAT || CH == WARPS * P, "taps in registers: one channel (pair) a warp");
-    extern __shared__ __align__(16) float sm[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* const sm = reinterpret_cast<float*>(smem_raw);
     float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
     float* const stage = sm + 2 * CH * TW;               // [2][STAGE] words
     float* const outs = stage + 2 * STAGE;               // [TT][CH], rows rotated
@@ -317,12 +321,11 @@ __global__ void __launch_bounds__(32 * WARPS)
     walk_piece<CH, TT, WARPS, KB, BS, 17, PER>(x, out, pc, seqlen, dim, stage, outs, compute);
 }
 
+// ptx.cuh's bfloat16 MMA with the A registers one by one.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                          unsigned a3, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    const unsigned a[4] = {a0, a1, a2, a3};
+    mma_bf16(d, a, b0, b1);
 }
 
 // Two floats as bfloat16 pairs: the high parts (rounded) and the rest, rounded again.
@@ -358,7 +361,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
     constexpr int STAGE = NBLK * BS;
     static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
-    extern __shared__ __align__(16) float sm[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* const sm = reinterpret_cast<float*>(smem_raw);
     uint2* const taps = reinterpret_cast<uint2*>(sm);  // [CH][TW]: taps j, j + 1 (high, low)
     float* const stage = sm + 2 * CH * TW;             // [2][STAGE]
     float* const outs = stage + 2 * STAGE;             // [TT][CH], rows rotated
@@ -422,7 +426,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
     constexpr int STAGE = NBLK * BS, PER_WARP = CH / WARPS;
     static_assert(TT % 128 == 0 && CH % WARPS == 0, "tiles");
-    extern __shared__ __align__(16) float sm[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* const sm = reinterpret_cast<float*>(smem_raw);
     unsigned* const th = reinterpret_cast<unsigned*>(sm);  // [CH][TW][WORDS]: high parts
     unsigned* const tl = th + CH * TW * WORDS;              // low parts
     float* const stage = sm + 2 * CH * TW * WORDS;          // [2][STAGE]
@@ -521,7 +526,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
     constexpr int STAGE = NBLK * BS;
     static_assert(TT % 128 == 0 && CPW % 2 == 0, "tiles: whole words a warp");
-    extern __shared__ __align__(16) float sm[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* const sm = reinterpret_cast<float*>(smem_raw);
     unsigned* const taps = reinterpret_cast<unsigned*>(sm);  // [CH][TW]: taps j, j + 1
     float* const stage = sm + CH * TW;                       // [2][STAGE]
     float* const outs = stage + 2 * STAGE;                   // [TT][CH], rows rotated
@@ -646,11 +652,14 @@ def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) 
     return ch * (8 * (2 * kb + 2) + 16) * 8 + 2 * (kb + tt // 16) * 292 * 4 + tt * ch * 4
 
 
-def source() -> str:
-    """The program: the kernels' own cp.async helpers (kernels/ptx.cuh), then these kernels."""
+def source(emulated: bool = False) -> str:
+    """The program: the kernels' own cp.async and MMA helpers (kernels/ptx.cuh), then these
+    kernels; ``emulated``: for the CPU emulator (tests/emulation.py), which has its own
+    ptx.cuh."""
     from cupyconv._compile import Source
 
-    return "#include <cuda_bf16.h>\n" + Source("ptx.cuh", "").text + KERNEL
+    helpers = '#include "ptx.cuh"\n' if emulated else Source("ptx.cuh", "").text
+    return "#include <cuda_bf16.h>\n" + helpers + KERNEL
 
 
 def compile_check() -> tuple[bool, str]:

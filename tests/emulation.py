@@ -77,8 +77,7 @@ def emulated_text(source: _compile.Source) -> str:
         path = HERE / file if (HERE / file).is_file() else _compile.kernel_dir() / file
         return _compile._INCLUDE.sub(lambda m: expand(m.group(1)), path.read_text())
 
-    text = source.prelude + expand(source.file)
-    return _DYNAMIC.sub(r"unsigned char* \1 = cpc_dynamic_shared();", text)
+    return source.prelude + expand(source.file)
 
 
 _libraries: dict[tuple, ctypes.CDLL] = {}
@@ -87,11 +86,19 @@ _lock = threading.Lock()
 
 def library(source: _compile.Source, name: str, arch: int) -> ctypes.CDLL:
     """Kernel instance ``name`` of ``source`` built for the CPU (cached on disk by its text)."""
-    key = (source.file, source.prelude, name, arch)
+    return text_library(emulated_text(source), name, arch)
+
+
+def text_library(program: str, name: str, arch: int) -> ctypes.CDLL:
+    """Kernel instance ``name`` of the program text ``program`` (the emulator's headers on its
+    include path, its dynamic shared memory the emulator's arena) built for the CPU, cached on
+    disk by its text."""
+    key = (program, name, arch)
     with _lock:
         lib = _libraries.get(key)
         if lib is None:
-            text = emulated_text(source) + _entry(name)
+            text = _DYNAMIC.sub(r"unsigned char* \1 = cpc_dynamic_shared();", program)
+            text += _entry(name)
             flags = ["-std=c++17", "-O1", "-shared", "-fPIC", f"-DCPC_ARCH={arch}", "-w"]
             digest = hashlib.sha256((text + " ".join(flags) + CXX).encode()).hexdigest()[:24]
             so = CACHE / f"{digest}.so"
@@ -139,17 +146,33 @@ class EmulationError(RuntimeError):
 def run_launch(plan, params, arch: int) -> None:
     """Runs one planned launch (cupyconv._launch.Launch) with its ParamBlock."""
     lib = library(plan.source, plan.name, arch)
+    words = np.array(params.values, dtype=np.int64)
+    _run(lib, words, plan.name, plan.grid, plan.block, plan.smem)
+
+
+def run_kernel(program: str, name: str, args, grid: int, block, smem: int, arch: int = 900):
+    """Runs kernel instance ``name`` of the program text ``program`` (``text_library``) with
+    ``args`` in the order of its parameters: HostArrays (passed as their elements' address) and
+    numpy scalars (their bytes)."""
+    parts = [
+        np.uint64(a.data.ctypes.data) if isinstance(a, HostArray) else np.asarray(a) for a in args
+    ]
+    raw = b"".join(p.tobytes() for p in parts)
+    words = np.frombuffer(raw + bytes(-len(raw) % 8), dtype=np.int64)
+    _run(text_library(program, name, arch), words, name, grid, block, smem)
+
+
+def _run(lib, words: np.ndarray, name: str, grid: int, block, smem: int) -> None:
     ranges = np.array([a.span() for a in list(_live) if a.data.size], dtype=np.uint64)
     lib.cpc_set_arrays(ctypes.c_void_p(ranges.ctypes.data), len(ranges))
-    words = np.array(params.values, dtype=np.int64)
+    words = np.ascontiguousarray(words)
     err = ctypes.create_string_buffer(2048)
-    bx, by = plan.block
+    bx, by = block
     status = lib.cpc_run(
-        ctypes.c_void_p(words.ctypes.data), len(words), plan.grid, bx, by, plan.smem, err, len(err)
+        ctypes.c_void_p(words.ctypes.data), len(words), grid, bx, by, smem, err, len(err)
     )  # fmt: skip
     if status:
-        where = f"{plan.name} (grid {plan.grid}, block {plan.block})"
-        raise EmulationError(f"{where}: {err.value.decode()}")
+        raise EmulationError(f"{name} (grid {grid}, block {block}): {err.value.decode()}")
 
 
 # ---- arrays -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
-from emulation import check_guards, compiler_available, emulated_gpu, host
+from emulation import check_guards, compiler_available, emulated_gpu, host, run_kernel
 from test_forward_gpu import seq_ids
 
 import cupyconv
@@ -535,3 +535,51 @@ def random_case(seed):
 @pytest.mark.parametrize("seed", range(80))
 def test_randomised(seed):
     random_case(seed)
+
+
+# benchmarks/tf32_cl.py's channel-last prototypes: (dtype, width, kernel, config).
+PROTOTYPES = (
+    ("float32", 64, "psplit", (256, 8, 0, 1, 1)),
+    ("float32", 31, "psplit", (128, 8, 1, 0, 0)),
+    ("bfloat16", 64, "pack", (128, 8)),
+    ("bfloat16", 31, "pack", (256, 16)),
+)
+
+
+@pytest.mark.parametrize(
+    "dtype,width,kernel,config",
+    PROTOTYPES,
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_channel_last_prototypes(dtype, width, kernel, config):
+    """benchmarks/tf32_cl.py's channel-last tensor-core prototypes on the CPU against the
+    reference (float32 x split once a step in the staging buffer, with the outputs in the
+    window's own words or an output tile; bfloat16 channel pairs repacked in place): channels
+    not a multiple of the block's, rows not a multiple of the step, pieces of 256 positions,
+    bias and SiLU."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tf32_cl
+
+    rng = np.random.default_rng(width)
+    batch, seqlen, dim, span = 2, 600, 40, 256
+    x64 = rounded(rng, (batch, dim, seqlen), dtype)
+    w64 = rounded(rng, (dim, width), dtype, width**-0.5)
+    b64 = rounded(rng, (dim,), dtype)
+    np_dtype = NP_DTYPES[dtype]
+    x = host(x64.transpose(0, 2, 1), np_dtype)  # [batch, seqlen, dim], as the prototypes take
+    w, bias = host(w64, np_dtype), host(b64, np_dtype)
+    out = host(np.full((batch, seqlen, dim), np.nan), np_dtype)
+    itemsize = np.dtype(np_dtype).itemsize
+    items = batch * -(-dim // (64 // itemsize)) * -(-seqlen // span)
+    scalars = [np.int32(v) for v in (seqlen, dim, span, 1)]
+    run_kernel(
+        tf32_cl.source(emulated=True), tf32_cl.instance_name(dtype, width, kernel, config),
+        [x, w, bias, out, *scalars], items, (32 * config[1], 1),
+        tf32_cl.smem_bytes(kernel, width, config, itemsize),
+    )  # fmt: skip
+    want = reference.causal_conv1d_fn(x64, w64, b64, activation="silu")
+    assert_close(out.data.transpose(0, 2, 1), want, dtype)
+    check_guards(x, w, bias, out)
