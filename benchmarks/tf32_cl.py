@@ -151,8 +151,9 @@ __device__ __forceinline__ Piece piece_of(int seqlen, int dim, int span) {
 // PER channels) while step i - 1 is computed; compute(buffer) puts the step's outputs into the
 // output tile, which then goes out.
 // ALIAS (outs null): compute leaves the step's outputs in its window's words (output position
-// p at window position 16 KB + p), and the next step's copy goes out after the step's first
-// barrier, when no thread still reads that buffer's outputs of two steps before.
+// p at window position 16 KB + p, a word PER channels as x's), and the next step's copy goes
+// out after the step's first barrier, when no thread still reads that buffer's outputs of two
+// steps before.
 template <int CH, int TT, int WARPS, int KB, int BS, int QS, int PER, typename T, typename Compute>
 __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, int seqlen,
                                            int dim, float* stage, const float* outs,
@@ -207,16 +208,16 @@ __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, 
         __syncthreads();
         if (outs) {
             store_outputs<CH, TT, 32 * WARPS>(ob, outs, t0, pc.t_end, pc.c0, dim, tid);
-        } else {  // (float32, CH = 16: a thread's channel q, positions p0 + 2 WARPS k)
-            constexpr int ROWS2 = 32 * WARPS / CH;
-            const int c = tid & (CH - 1), p1 = (tid / CH) & (ROWS2 - 1);
-            if (pc.c0 + c < dim) {
+        } else {  // a thread's word q (PER channels) at positions p0 + ROWS k, as copied in
+            if (q_live) {
                 #pragma unroll
-                for (int k = 0; k < TT / ROWS2; ++k) {
-                    const int p = p1 + ROWS2 * k;
-                    if (t0 + p < pc.t_end)
-                        ob[(long long)(t0 + p) * dim + c] =
-                            (T)st[(KB + (p >> 4)) * BS + QS * c + (p & 15)];
+                for (int k = 0; k < TT / ROWS; ++k) {
+                    const int p = p0 + ROWS * k;
+                    const float* const word = st + (KB + (p >> 4)) * BS + QS * q + (p & 15);
+                    T* const dst = ob + (long long)(t0 + p) * dim + PER * q;
+                    if (t0 + p >= pc.t_end) continue;
+                    if constexpr (PER == 1) *dst = (T)*word;
+                    else *reinterpret_cast<unsigned*>(dst) = __float_as_uint(*word);
                 }
             }
         }
@@ -515,8 +516,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 // 2 t, 2 t + 1, word 2 t + 1 its 2 t + 8, 2 t + 9, words 2 t + 8 and 2 t + 9 the odd channel's),
 // four byte permutes a position quad, so that a lane's B registers are one 8-byte load. One
 // product a k-step; A from a table of tap pairs (j, j + 1). Blocks of 32 channels, steps, outputs
-// as tf32_cl.
-template <int K, int TT, int WARPS>
+// as tf32_cl. A warp computes a word's two channels at once; ALIAS: their outputs go back into
+// the word at its position (walk_piece's ALIAS), no output tile, 4-byte stores.
+template <int K, int TT, int WARPS, int ALIAS>
 __global__ void __launch_bounds__(32 * WARPS)
     pack_cl(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
             const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, int seqlen,
@@ -560,25 +562,50 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
         __syncwarp();
         #pragma unroll 1
-        for (int ci = 0; ci < CPW; ++ci) {
-            const int c = warp * CPW + ci;
-            float acc[1][NT][1][4] = {};
+        for (int wi = 0; wi < WPW; ++wi) {
+            const int q = warp * WPW + wi, c = 2 * q;  // channels c, c + 1
+            float acc[2][NT][1][4] = {};
             #pragma unroll
             for (int s = 0; s < KS; ++s) {
-                const unsigned* const tp = taps + c * TW + E0 + 16 * s + 2 * tg - g - OFF;
-                const unsigned a0 = tp[0], a1 = tp[-8], a2 = tp[8];
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const unsigned* const src =
-                        st + (8 * nt + g + s) * BS + 18 * (c >> 1) + 8 * (c & 1) + 2 * tg;
-                    const uint2 b = *reinterpret_cast<const uint2*>(src);
-                    mma_bf16(acc[0][nt][0], a0, a1, a2, a0, b.x, b.y);
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned* const tp = taps + (c + h) * TW + E0 + 16 * s + 2 * tg - g - OFF;
+                    const unsigned a0 = tp[0], a1 = tp[-8], a2 = tp[8];
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 b = *reinterpret_cast<const uint2*>(
+                            st + (8 * nt + g + s) * BS + 18 * q + 8 * h + 2 * tg);
+                        mma_bf16(acc[h][nt][0], a0, a1, a2, a0, b.x, b.y);
+                    }
                 }
             }
-            tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
+            if constexpr (ALIAS) {
+                float bv[2];
+                #pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    bv[h] = bias && c0 + c + h < dim ? __bfloat162float(bias[c0 + c + h]) : 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        float v[2];
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            v[h] = acc[h][nt][0][r] + bv[h];
+                            if (silu) v[h] = __fdividef(v[h], 1.f + __expf(-v[h]));
+                        }
+                        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[0], v[1]);
+                        // position 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1) of the step
+                        st[(KB + 8 * nt + 2 * tg + (r & 1)) * BS + 18 * q + g + 8 * (r >> 1)] =
+                            *reinterpret_cast<const unsigned*>(&pair);
+                    }
+            } else {
+                tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
+            }
         }
     };
-    walk_piece<CH, TT, WARPS, KB, BS, 18, 2>(x, out, pc, seqlen, dim, stage, outs, compute);
+    walk_piece<CH, TT, WARPS, KB, BS, 18, 2>(x, out, pc, seqlen, dim, stage,
+                                             ALIAS ? nullptr : outs, compute);
 }
 """
 
@@ -609,8 +636,8 @@ PSPLIT = (
     (128, 8, 1, 0, 0), (128, 8, 0, 1, 0), (256, 8, 1, 1, 0), (256, 8, 0, 1, 0),
     (128, 8, 0, 1, 1), (256, 8, 0, 1, 1), (256, 8, 0, 0, 1),
 )  # fmt: skip
-# pack_cl (bfloat16 alone): (TT, WARPS).
-PACK = ((128, 8), (256, 8), (128, 16), (256, 16))
+# pack_cl (bfloat16 alone): (TT, WARPS, ALIAS).
+PACK = ((128, 8, 0), (256, 8, 0), (128, 8, 1), (256, 8, 1), (256, 16, 1))
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 
 
@@ -641,8 +668,10 @@ def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) 
     ch = 64 // itemsize
     if kernel == "bsplit":
         return ch * (16 * kb + 48) * 8 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
-    if kernel == "pack":
-        return ch * (16 * kb + 48) * 4 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
+    if kernel == "pack":  # (ALIAS, config[2]: no output tile)
+        return (
+            ch * (16 * kb + 48) * 4 + 2 * (kb + tt // 16) * 296 * 4 + (1 - config[2]) * tt * ch * 4
+        )
     if kernel == "psplit":  # (ALIAS, config[4]: no output tile)
         return (
             2 * ch * (16 * kb + 48) * 4 * (1 + config[2])
@@ -688,7 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         "--configs",
         default=None,
         help="tf32:TT:WARPS:SEP:PAIR:STAT, bsplit:TT:WARPS:SEP:PAIR or "
-        "psplit:TT:WARPS:DUP:SEP:ALIAS or pack:TT:WARPS, comma-separated (default all)",
+        "psplit:TT:WARPS:DUP:SEP:ALIAS or pack:TT:WARPS:ALIAS, comma-separated (default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     parser.add_argument(
