@@ -297,7 +297,8 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         (F16, F16, None, 9, f"fwd_time<{H}, 9, false, 2, 4>", WIDE_CHANNEL.format(9)),
         (F16, F16, None, 8, f"fwd_time<{H}, 8, false, 2, 4>", f"fwd_channel<{H}, 8, false, 16, 8>"),
         (F16, F16, None, 256, f"fwd_mma<{H}, 17, false, 0>", f"fwd_mma<{H}, 17, false, 16>"),
-        # float32 x: time-contiguous on tensor cores (x and taps split), channel-contiguous not
+        # float32 x on tensor cores (x and taps split): time-contiguous from
+        # MMA_XSPLIT_MIN_WIDTH, channel-contiguous from SPLIT_CL_MIN_WIDTH (fwd_split_cl)
         (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_split_cl<float, 5>"),
         (F32, F16, None, 40, "fwd_mma<float, 4, true, 0>", "fwd_split_cl<float, 4>"),
         (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
@@ -312,7 +313,8 @@ def test_tensor_cores_where_exact(launches, xdtype, wdtype, init, width, cf_name
     """x takes fwd_mma where it is exact (states of x's dtype; float16 x with other weights and
     float32 x time-contiguous only, the window split): 16-bit time-contiguous x from
     MMA_MIN_WIDTH on, channel-contiguous x from MMA_CL_MIN_WIDTH on, a split window from
-    MMA_XSPLIT_MIN_WIDTH on, with the tile layout the plan describes."""
+    MMA_XSPLIT_MIN_WIDTH on, with the tile layout the plan describes; channel-contiguous float32
+    x takes fwd_split_cl from SPLIT_CL_MIN_WIDTH on."""
     x = FakeCudaArray((2, 8, 300), dtype=xdtype)
     name = cf_name
     if layout == "cl":
