@@ -16,16 +16,13 @@ TF32 high parts (the top 19 bits) and the rest, three products a k-step (high hi
 high), which keeps float32's accuracy; bfloat16 x and taps are exact in TF32: one product.
 Outputs (bias, SiLU) go through shared memory (rows rotated by bits of the position so that both
 the fragment writes and the row reads meet 32 banks) to coalesced stores. Variants: SEP (the
-three products' accumulators apart), PAIR (two channels a warp at once), STAT (a warp's taps in
-registers for its whole piece).
+three products' accumulators apart), PAIR (two channels a warp at once).
 
-``bsplit_cl`` (float32 x alone) does the same on bfloat16 m16n8k16 MMAs: x and the taps split
+``psplit_cl`` (float32 x alone) does the same on bfloat16 m16n8k16 MMAs: x and the taps split
 into bfloat16 high and low parts (three products, 2^-17 relative, the library's float32 split),
-a lane's B pairs of consecutive positions read as 8-byte words of a float32 staging buffer and
-packed in registers, so that 16-bit operand pairs come without transposes (the kernel's comment
-has its layout). ``psplit_cl`` splits each x pair once a step instead: each warp turns its
-channels' words of the staged window into bfloat16 high and low parts in place, laid out so
-that a lane's B registers are one 8-byte load of each (the library's ``fwd_split_cl`` is this
+each x pair split once a step: each warp turns its channels' words of the staged window into
+bfloat16 high and low parts in place, laid out so that a lane's B registers are one 8-byte load
+of each (the library's ``fwd_split_cl`` is this
 kernel in the library's frame). ``pack_cl`` (bfloat16 x) does the same for 16-bit x: each warp
 repacks its channel pairs' staged words in place (byte permutes), one product a k-step, as an
 alternative to ``fwd_mma_cl``'s ldmatrix transposes.
@@ -227,9 +224,8 @@ __device__ __forceinline__ void walk_piece(const T* x, T* out, const Piece& pc, 
 // T = float: three products a k-step (x and the taps split); T = __nv_bfloat16 with bfloat16
 // taps: one (both exact in TF32). A staged word is one float32 channel or two 16-bit ones.
 // SEP: the three products into accumulators of their own (three chains, summed at the end);
-// PAIR: a warp computes two of its channels at once (twice the chains); STAT: each warp has
-// one channel (or pair) for the whole piece, its A fragments in registers from the start.
-template <typename T, int K, int TT, int WARPS, int SEP, int PAIR, int STAT>
+// PAIR: a warp computes two of its channels at once (twice the chains).
+template <typename T, int K, int TT, int WARPS, int SEP, int PAIR>
 __global__ void __launch_bounds__(32 * WARPS)
     tf32_cl(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
             T* __restrict__ out, int seqlen, int dim, int span, int silu) {
@@ -240,7 +236,6 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int STAGE = NBLK * BS;
     constexpr int P = PAIR ? 2 : 1, NA = SEP && SPLIT ? 3 : 1;  // channels at once, accumulators
     static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
-    static_assert(!STAT || CH == WARPS * P, "taps in registers: one channel (pair) a warp");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* const sm = reinterpret_cast<float*>(smem_raw);
     float2* const taps = reinterpret_cast<float2*>(sm);  // [CH][TW]: the taps' (high, low) parts
@@ -259,17 +254,6 @@ __global__ void __launch_bounds__(32 * WARPS)
     // The offsets in a channel's table of the four A registers of k-step s (rows g, g + 8;
     // columns tg, tg + 4): tap 8 s + k - m - OFF.
     auto frag_at = [](int s, int q) { return 8 * s + (q & 1 ? -8 : 0) + (q & 2 ? 4 : 0); };
-    float2 fr[STAT ? P : 1][STAT ? KS : 1][4];
-    if constexpr (STAT) {
-        __syncthreads();  // the table is written
-        #pragma unroll
-        for (int j = 0; j < P; ++j)
-            #pragma unroll
-            for (int s = 0; s < KS; ++s)
-                #pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    fr[j][s][q] = taps[(warp * P + j) * TW + tg - g + 15 + frag_at(s, q)];
-    }
     auto compute = [&](const float* buf) {
         const unsigned* const st = reinterpret_cast<const unsigned*>(buf);
         #pragma unroll 1
@@ -287,13 +271,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                     auto value = [&](unsigned word) {
                         return SPLIT ? word : odd ? word & 0xffff0000u : word << 16;
                     };
-                    float2 w0, w1, w2, w3;
-                    if constexpr (STAT) {
-                        w0 = fr[j][s][0], w1 = fr[j][s][1], w2 = fr[j][s][2], w3 = fr[j][s][3];
-                    } else {
-                        w0 = tp[frag_at(s, 0)], w1 = tp[frag_at(s, 1)], w2 = tp[frag_at(s, 2)];
-                        w3 = tp[frag_at(s, 3)];
-                    }
+                    const float2 w0 = tp[frag_at(s, 0)], w1 = tp[frag_at(s, 1)],
+                                 w2 = tp[frag_at(s, 2)], w3 = tp[frag_at(s, 3)];
                     const unsigned h0 = __float_as_uint(w0.x), h1 = __float_as_uint(w1.x),
                                    h2 = __float_as_uint(w2.x), h3 = __float_as_uint(w3.x);
                     #pragma unroll
@@ -345,70 +324,9 @@ __device__ __forceinline__ float2 tap_pair(const float* w, int c, int j, int dim
     return make_float2(tap(j), tap(j + 1));
 }
 
-// float32 x on bfloat16 m16n8k16 MMAs: x and the taps split into bfloat16 high and low parts,
-// three products a k-step of 16 (high high, high low, low high: 2^-17 relative, the library's
-// float32 split). A lane's B registers are pairs of consecutive positions of one channel, read
-// as one 8-byte load each from a staging layout (position i, channel q at (i / 16) BS + 18 q +
-// i % 16, BS = 296 = 8 mod 32) where both the 4-byte cp.async writes and the 8-byte reads meet
-// 32 banks, and packed in registers: no transposes. A is the channel's Toeplitz band from a
-// table of (high, low) pairs of taps (j, j + 1). Blocks, steps, outputs as tf32_cl.
-template <int K, int TT, int WARPS, int SEP, int PAIR>
-__global__ void __launch_bounds__(32 * WARPS)
-    bsplit_cl(const float* __restrict__ x, const float* __restrict__ w,
-              const float* __restrict__ bias, float* __restrict__ out, int seqlen, int dim,
-              int span, int silu) {
-    constexpr int CH = 16, P = PAIR ? 2 : 1, NA = SEP ? 3 : 1;
-    constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = KB + 1;
-    constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
-    constexpr int STAGE = NBLK * BS;
-    static_assert(TT % 128 == 0 && CH % (WARPS * P) == 0, "tiles");
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* const sm = reinterpret_cast<float*>(smem_raw);
-    uint2* const taps = reinterpret_cast<uint2*>(sm);  // [CH][TW]: taps j, j + 1 (high, low)
-    float* const stage = sm + 2 * CH * TW;             // [2][STAGE]
-    float* const outs = stage + 2 * STAGE;             // [TT][CH], rows rotated
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
-    const int c0 = pc.c0;
-    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
-        unsigned hi, lo;
-        split2(tap_pair<K>(w, c0 + e / TW, e % TW - E0, dim), hi, lo);
-        taps[e] = make_uint2(hi, lo);
-    }
-    auto compute = [&](const float* st) {
-        #pragma unroll 1
-        for (int ci = 0; ci < CH / WARPS; ci += P) {
-            const int c_first = warp * (CH / WARPS) + ci;
-            float acc[P][NT][NA][4] = {};
-            #pragma unroll
-            for (int s = 0; s < KS; ++s) {
-                #pragma unroll
-                for (int j = 0; j < P; ++j) {
-                    const int c = c_first + j;
-                    // a0: row g, columns 2 tg, 2 tg + 1: taps 16 s + 2 tg - g - OFF (+ 1); a1 row
-                    // g + 8 (8 taps back), a2 columns + 8 (8 on), a3 both (a0's).
-                    const uint2* const tp = taps + c * TW + E0 + 16 * s + 2 * tg - g - OFF;
-                    const uint2 t0 = tp[0], t1 = tp[-8], t2 = tp[8];
-                    const float* const xs = st + 18 * c + 2 * tg;
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const float* const src = xs + (8 * nt + g + s) * BS;
-                        unsigned bh0, bl0, bh1, bl1;
-                        split2(*reinterpret_cast<const float2*>(src), bh0, bl0);
-                        split2(*reinterpret_cast<const float2*>(src + 8), bh1, bl1);
-                        mma_bf16(acc[j][nt][0], t0.x, t1.x, t2.x, t0.x, bh0, bh1);
-                        mma_bf16(acc[j][nt][NA > 1 ? 1 : 0], t0.x, t1.x, t2.x, t0.x, bl0, bl1);
-                        mma_bf16(acc[j][nt][NA > 1 ? 2 : 0], t0.y, t1.y, t2.y, t0.y, bh0, bh1);
-                    }
-                }
-            }
-            tile_outputs<CH>(acc, outs, bias, c0, c_first, dim, lane, silu);
-        }
-    };
-    walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage, outs, compute);
-}
-
-// bsplit_cl with x split once a step: each warp turns its channels' words of the staged window
+// float32 x on bfloat16 m16n8k16 MMAs, x and the taps split into bfloat16 high and low parts
+// (three products a k-step: high high, high low, low high; 2^-17 relative, the library's float32
+// split), each x pair split once a step: each warp turns its channels' words of the staged window
 // into bfloat16 parts in place before its MMAs (word 2 t of a position block: the high parts of
 // positions 2 t, 2 t + 1; word 2 t + 1: of 2 t + 8, 2 t + 9; words 2 t + 8, 2 t + 9 their low
 // parts), so that a lane's B registers are one 8-byte load for the high parts and one for the
@@ -617,20 +535,6 @@ CONFIGS = (
     (128, 8, 1, 1), (256, 8, 1, 1), (128, 4, 1, 1), (256, 4, 1, 1),
     (128, 16, 1, 0), (256, 16, 1, 0),
 )  # fmt: skip
-# Taps in registers (STAT: 8 KS of them): float32 (16 channels a block) at widths up to 64.
-STATIONARY = ((128, 16, 1, 0), (256, 16, 1, 0), (128, 8, 1, 1))
-STATIONARY_MAX_WIDTH = 64
-
-
-def configs_of(dtype: str, width: int, configs=CONFIGS) -> list[tuple[int, ...]]:
-    """(TT, WARPS, SEP, PAIR, STAT) of the instances built for ``dtype`` at ``width``."""
-    stationary = dtype == "float32" and width <= STATIONARY_MAX_WIDTH
-    stat = [c + (1,) for c in STATIONARY] if stationary else []
-    return [c + (0,) for c in configs] + stat
-
-
-# bsplit_cl (float32 alone): (TT, WARPS, SEP, PAIR).
-BSPLIT = ((128, 8, 0, 0), (128, 8, 1, 1))
 # psplit_cl (float32 alone): (TT, WARPS, DUP, SEP, ALIAS).
 PSPLIT = (
     (128, 8, 1, 0, 0), (128, 8, 0, 1, 0), (256, 8, 1, 1, 0), (256, 8, 0, 1, 0),
@@ -643,9 +547,8 @@ TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 
 def instances(dtype: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
     """(kernel, config) of every instance built for ``dtype`` at ``width``."""
-    tf32 = [("tf32", c) for c in configs_of(dtype, width)]
-    split = [("bsplit", c) for c in BSPLIT] + [("psplit", c) for c in PSPLIT]
-    return tf32 + (split if dtype == "float32" else [("pack", c) for c in PACK])
+    kernel, configs = ("psplit", PSPLIT) if dtype == "float32" else ("pack", PACK)
+    return [("tf32", c) for c in CONFIGS] + [(kernel, c) for c in configs]
 
 
 def instance_name(dtype: str, width: int, kernel: str, config: tuple[int, ...]) -> str:
@@ -666,8 +569,6 @@ def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) 
     kb = -(-(width - 1) // 16)
     tt = config[0]
     ch = 64 // itemsize
-    if kernel == "bsplit":
-        return ch * (16 * kb + 48) * 8 + 2 * (kb + tt // 16) * 296 * 4 + tt * ch * 4
     if kernel == "pack":  # (ALIAS, config[2]: no output tile)
         return (
             ch * (16 * kb + 48) * 4 + 2 * (kb + tt // 16) * 296 * 4 + (1 - config[2]) * tt * ch * 4
@@ -716,8 +617,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default=None,
-        help="tf32:TT:WARPS:SEP:PAIR:STAT, bsplit:TT:WARPS:SEP:PAIR or "
-        "psplit:TT:WARPS:DUP:SEP:ALIAS or pack:TT:WARPS:ALIAS, comma-separated (default all)",
+        help="tf32:TT:WARPS:SEP:PAIR, psplit:TT:WARPS:DUP:SEP:ALIAS (float32) or "
+        "pack:TT:WARPS:ALIAS (bfloat16), comma-separated (default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     parser.add_argument(
@@ -743,9 +644,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def label(instance):
         kernel, config = instance
-        fields = (
-            ("TT", "warps", "dup") if kernel == "psplit" else ("TT", "warps", "sep", "pair", "stat")
-        )
+        more = {"psplit": ("dup", "sep", "alias"), "pack": ("alias",)}
+        fields = ("TT", "warps") + more.get(kernel, ("sep", "pair"))
         return f"{kernel} " + " ".join(f"{k} {v}" for k, v in zip(fields, config))
 
     def run_kernel(dtype, width, instance, x, w, bias, out, span):
