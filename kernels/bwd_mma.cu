@@ -162,9 +162,10 @@ __device__ __forceinline__ void dz_blocks(int blk, const uint4* zf, const bf16* 
             }
             if constexpr (SPAN) item_db += g0 + g1;
             else past += g0 + g1;
-            const unsigned hi = bf16x2_bits(g0, g1);
+            unsigned hi, lo;
+            split_pair(g0, g1, hi, lo);
             reinterpret_cast<unsigned*>(dzh)[q >> 1] = hi;
-            reinterpret_cast<unsigned*>(dzl)[q >> 1] = bf16x2_bits(g0 - low_half(hi), g1 - high_half(hi));
+            reinterpret_cast<unsigned*>(dzl)[q >> 1] = lo;
         }
     }
 }

@@ -340,11 +340,9 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                         sums += acc[r] + dz[r];
                         db[cl] += t0 + place(r) < len ? dz[r] : 0.f;
                     }
-                    const unsigned hi0 = bf16x2_bits(dz[0], dz[1]), hi1 = bf16x2_bits(dz[2], dz[3]);
-                    const unsigned parts[4] = {
-                        hi0, hi1, bf16x2_bits(dz[0] - low_half(hi0), dz[1] - high_half(hi0)),
-                        bf16x2_bits(dz[2] - low_half(hi1), dz[3] - high_half(hi1)),
-                    };
+                    unsigned parts[4];  // the high parts of dz 0, 1 and 2, 3, then their low parts
+                    split_pair(dz[0], dz[1], parts[0], parts[2]);
+                    split_pair(dz[2], dz[3], parts[1], parts[3]);
                     stmatrix_x4_trans(parts, dz_row + cl * RB);
                 }
             }

@@ -244,9 +244,10 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
                     sum += z[H][2 * r] + z[H][2 * r + 1];
                 }
                 group += g0 + g1;
-                const unsigned h = bf16x2_bits(g0, g1);
+                unsigned h, l;
+                split_pair(g0, g1, h, l);
                 (H ? hi[r].y : hi[r].x) = h;
-                (H ? lo[r].y : lo[r].x) = bf16x2_bits(g0 - low_half(h), g1 - high_half(h));
+                (H ? lo[r].y : lo[r].x) = l;
             }
         }
         terms += group;

@@ -228,10 +228,6 @@ template <typename T>
 __device__ __forceinline__ void split_window(const T* row, void* split, int row_len, int n_in) {
     uint2* const hi = reinterpret_cast<uint2*>(split);
     uint2* const lo = hi + row_len / 4;
-    auto part = [](float a, float b, unsigned& h) {  // the high word of a, b; returns the low
-        h = pack2<__nv_bfloat16>(a, b);
-        return pack2<__nv_bfloat16>(a - __uint_as_float(h << 16), b - __uint_as_float(h & 0xffff0000u));
-    };
     for (int v = threadIdx.x & 31; v < n_in / 4; v += 32) {
         float f[4];
         if constexpr (same_type<T, float>) {
@@ -241,8 +237,8 @@ __device__ __forceinline__ void split_window(const T* row, void* split, int row_
             widen<T, float, 4>(row + 4 * v, f);
         }
         uint2 h, l;
-        l.x = part(f[0], f[1], h.x);
-        l.y = part(f[2], f[3], h.y);
+        split_pair(f[0], f[1], h.x, l.x);
+        split_pair(f[2], f[3], h.y, l.y);
         hi[v] = h;
         lo[v] = l;
     }

@@ -32,13 +32,6 @@
 #include "fwd_common.cuh"
 #include "mma_common.cuh"
 
-// Two floats as bfloat16 pairs: the high parts (rounded, a in the low half) and the rest,
-// rounded again.
-__device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsigned& lo) {
-    hi = bf16x2_bits(a, b);
-    lo = bf16x2_bits(a - low_half(hi), b - high_half(hi));
-}
-
 // The output at position pos of row (b, c) from its own taps (float32 sums), for outputs the
 // MMAs gave as non-finite. Out of line: it is rarely called.
 template <typename P>

@@ -86,10 +86,18 @@ __device__ __forceinline__ void stmatrix_x4_trans(const unsigned (&r)[4], void* 
     *reinterpret_cast<uint4*>(row) = make_uint4(col[0], col[1], col[2], col[3]);
 #endif
 }
-// The backward's (bwd_mma, bwd_mma_time): dz's high and low bfloat16 halves, and the diagonal
-// sums of dweight's lag products.
+// The halves of a bfloat16 pair word as floats.
 __device__ __forceinline__ float low_half(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float high_half(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+// a, b split into bfloat16 pairs (a in the low half): the high parts hi = bfloat16(a, b) and the
+// rest lo = bfloat16(a - hi, b - hi), which together hold them to 2^-17 relative (float32 windows
+// and taps, the backward's dz).
+__device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsigned& lo) {
+    hi = bf16x2_bits(a, b);
+    lo = bf16x2_bits(a - low_half(hi), b - high_half(hi));
+}
+
+// The backward's (bwd_mma, bwd_mma_time): the diagonal sums of dweight's lag products.
 
 // Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
 // dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
