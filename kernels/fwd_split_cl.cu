@@ -95,6 +95,12 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
                            : 0.f;
             split_pair(v[0], v[1], th[e], tl[e]);
         }
+        float biases[CPW];  // this warp's channels' biases, for the item's steps
+        #pragma unroll
+        for (int ci = 0; ci < CPW; ++ci) {
+            const int64 c = c0 + warp * CPW + ci;
+            biases[ci] = bias && c < dim ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+        }
         const bool q_live = c0 + q < dim;
         const float* const xq = x + b * p.x_batch_stride + c0 + q;
         const int64 rows_stride = ROWS * p.x_l_stride;
@@ -172,7 +178,9 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
                     }
                 }
                 // Lane (g, tg)'s outputs: positions 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1).
-                const float bv = bias && c0 + c < dim ? load_as<float>(bias, (int)p.bias_dtype, (c0 + c) * p.bias_stride) : 0.f;
+                float bv = biases[0];  // (biases[ci] without a dynamic index: the loop is not unrolled)
+                #pragma unroll
+                for (int k = 1; k < CPW; ++k) bv = ci == k ? biases[k] : bv;
                 bool bad = false;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
