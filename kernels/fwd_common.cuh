@@ -28,6 +28,20 @@ __device__ __forceinline__ A finish(A acc, bool padding, int silu_act) {
     return silu_act ? silu(acc) : acc;
 }
 
+// The output at position pos of row (b, c) from its own taps, in float32 sums (bias, SiLU): the
+// tensor-core kernels' outputs that came out non-finite, computed again (a non-finite input
+// meets their bands' zero weights too, 0 inf = NaN).
+template <typename T, typename P>
+__device__ __forceinline__ float own_output(const T* x, const void* weight, const void* bias,
+                                            const void* initial_states, const P& p, int64 b, int64 c, int64 pos) {
+    const int width = (int)p.width;
+    float acc = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
+    for (int k = 0; k < width; ++k)
+        acc += load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
+               input_at<float>(x, initial_states, p, b, c, pos - (width - 1) + k);
+    return p.silu_act ? silu(acc) : acc;
+}
+
 // Warps of the main blocks (the grid-stride step of the warp-per-item kernels).
 template <typename P>
 __device__ __forceinline__ int64 main_warps(const P& p) { return p.main_blocks * (int64)(blockDim.x / 32); }

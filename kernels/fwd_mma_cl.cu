@@ -45,15 +45,8 @@
 template <typename T, typename P>
 __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weight, const void* bias,
                                          const void* initial_states, const P& p, int64 b, int64 c, int64 pos) {
-    const int width = (int)p.width;
-    for (int e = 0; e < Vec<T>::V && c + e < p.dim; ++e) {
-        if (isfinite(to_acc(v.e[e]))) continue;
-        float acc = bias ? load_as<float>(bias, (int)p.bias_dtype, (c + e) * p.bias_stride) : 0.f;
-        for (int k = 0; k < width; ++k)
-            acc += load_as<float>(weight, (int)p.weight_dtype, (c + e) * p.weight_c_stride + k * p.weight_width_stride) *
-                   input_at<float>(x, initial_states, p, b, c + e, pos - (width - 1) + k);
-        v.e[e] = from_acc<T>(p.silu_act ? silu(acc) : acc);
-    }
+    for (int e = 0; e < Vec<T>::V && c + e < p.dim; ++e)
+        if (!isfinite(to_acc(v.e[e]))) v.e[e] = from_acc<T>(own_output(x, weight, bias, initial_states, p, b, c + e, pos));
 }
 
 // From KS MMA_CL_MORE_WARPS: MMA_CL_WARPS warps a block and one block barrier a step (else

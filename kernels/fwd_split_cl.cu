@@ -32,18 +32,12 @@
 #include "fwd_common.cuh"
 #include "mma_common.cuh"
 
-// The output at position pos of row (b, c) from its own taps (float32 sums), for outputs the
-// MMAs gave as non-finite. Out of line: it is rarely called.
+// own_output out of line, for the outputs the MMAs gave as non-finite: it is rarely called.
 template <typename P>
 __device__ __noinline__ float own_taps_split(const float* x, const void* weight, const void* bias,
                                              const void* initial_states, const P& p, int64 b, int64 c,
                                              int64 pos) {
-    const int width = (int)p.width;
-    float acc = bias ? load_as<float>(bias, (int)p.bias_dtype, c * p.bias_stride) : 0.f;
-    for (int k = 0; k < width; ++k)
-        acc += load_as<float>(weight, (int)p.weight_dtype, c * p.weight_c_stride + k * p.weight_width_stride) *
-               input_at<float>(x, initial_states, p, b, c, pos - (width - 1) + k);
-    return p.silu_act ? silu(acc) : acc;
+    return own_output(x, weight, bias, initial_states, p, b, c, pos);
 }
 
 // The output tile's rotation of position p's row of 16 channels: the fragment writes (lanes (g,

@@ -225,6 +225,7 @@ FORWARD = {
     (SHAPE, 31, "cl_slice", "bfloat16", None, ("states",), 900): "fwd_mma_cl",
     (SHAPE, 31, "cl_slice", "bfloat16", None, ("states",), 800): "fwd_mma_cl",
     (SHAPE, 64, "cl", "bfloat16", None, (), 900): "fwd_mma_cl",
+    (SHAPE, 33, "cl", "float16", None, ("non_finite",), 900): "fwd_mma_cl",
     (SHAPE, 97, "cl", "bfloat16", None, ("states",), 900): "fwd_mma_cl",
     (SHAPE, 100, "cl", "bfloat16", None, (), 900): "fwd_mma",
     (SHAPE, 100, "cf", "float16", "float32", (), 900): "fwd_mma",
