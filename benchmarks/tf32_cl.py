@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="these kernels' preferred shared-memory carveout in percent (cupyconv's kernels take "
-        "100; default: the driver's choice)",
+        "the least that holds their resident blocks; default: the driver's choice)",
     )
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")

@@ -112,10 +112,11 @@ MMA_CL_ROW_BUFFERS = (2, 1)
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
 MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
-# fwd_split_cl: float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH (fwd_channel_wide below,
-# the crossover measured on an H100), items of up to SPLIT_CL_SPAN positions, halved (down to one
-# step) while they would not fill the device twice. benchmarks/NOTES.md, "fwd_split_cl".
-SPLIT_CL_MIN_WIDTH, SPLIT_CL_SPAN = 38, 2048
+# fwd_split_cl: float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH, past fwd_channel's widths
+# (fwd_channel_wide was as fast at width 17 on an H100 and slower beyond), items of up to
+# SPLIT_CL_SPAN positions, halved (down to one step) while they would not fill the device twice.
+# benchmarks/NOTES.md, "fwd_split_cl" and "fwd_split_cl without its output tile".
+SPLIT_CL_MIN_WIDTH, SPLIT_CL_SPAN = 17, 2048
 # fwd_time: (16-byte vectors per lane, warps per block) on rows of up to TIME_SHORT_ROW bytes,
 # and on longer rows.
 TIME_SHORT_CHUNK, TIME_LONG_CHUNK, TIME_SHORT_ROW = (2, 4), (8, 1), 1024
@@ -191,7 +192,7 @@ CHANNEL = Kernel(
 )  # fmt: skip
 SPLIT_CL = Kernel(
     "fwd_split_cl", "fwd_split_cl.cu", "FwdSplitClParams",
-    ("span", "tap_row", "stage_at", "outs_at"), pdl=True,
+    ("span", "tap_row", "stage_at"), pdl=True,
 )  # fmt: skip
 CHANNEL_WIDE = Kernel(
     "fwd_channel_wide", "fwd_channel_wide.cu", "FwdChannelWideParams",
@@ -594,15 +595,15 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
 
 
 def split_cl_shared_memory(ks: int) -> tuple[int, int, int, int]:
-    """fwd_split_cl's block at ``ks`` k-steps: (tap_row, stage_at, outs_at, bytes). Two tap tables
-    (high and low parts) of tap_row words a channel (16 (KS - 1) + 48: the pairs a lane's A
-    fragments reach, from word 17 to 16 (KS - 1) + 46), two staging buffers of KS - 1 + TT / 16
-    blocks of SPLIT_CL_STAGE_BLOCK words, and the output tile (TT positions of the channels)."""
+    """fwd_split_cl's block at ``ks`` k-steps: (tap_row, stage_at, bytes). Two tap tables (high
+    and low parts) of tap_row words a channel (16 (KS - 1) + 48: the pairs a lane's A fragments
+    reach, from word 17 to 16 (KS - 1) + 46), then two staging buffers of KS - 1 + TT / 16 blocks
+    of SPLIT_CL_STAGE_BLOCK words (the step's outputs go back into its buffer)."""
     channels, tt = CONSTANTS["SPLIT_CL_CHANNELS"], CONSTANTS["SPLIT_CL_STEP"]
     tap_row = 16 * (ks - 1) + 48
     stage_at = 2 * channels * tap_row * 4
-    outs_at = stage_at + 2 * (ks - 1 + tt // 16) * CONSTANTS["SPLIT_CL_STAGE_BLOCK"] * 4
-    return tap_row, stage_at, outs_at, outs_at + tt * channels * 4
+    stage_bytes = (ks - 1 + tt // 16) * CONSTANTS["SPLIT_CL_STAGE_BLOCK"] * 4
+    return tap_row, stage_at, stage_at + 2 * stage_bytes
 
 
 def _plan_split_cl(x, width, name, device) -> Launch | None:
@@ -612,7 +613,7 @@ def _plan_split_cl(x, width, name, device) -> Launch | None:
     then)."""
     batch, dim, seqlen = x.shape
     ks = mma_steps(width)
-    tap_row, stage_at, outs_at, smem = split_cl_shared_memory(ks)
+    tap_row, stage_at, smem = split_cl_shared_memory(ks)
     if smem > shared_memory_limit(device):
         return None
     threads, tt = 32 * CONSTANTS["SPLIT_CL_WARPS"], CONSTANTS["SPLIT_CL_STEP"]
@@ -624,7 +625,7 @@ def _plan_split_cl(x, width, name, device) -> Launch | None:
     items = batch * groups * -(-seqlen // span)
     return SPLIT_CL.launch(
         name, min(items, MAX_GRID), (threads, 1), smem, span=span, tap_row=tap_row,
-        stage_at=stage_at, outs_at=outs_at,
+        stage_at=stage_at,
     )  # fmt: skip
 
 

@@ -323,27 +323,29 @@ def _load_cupy():
 
 _resident: dict[tuple, int] = {}
 _dynamic_smem: dict[tuple, int] = {}  # the dynamic shared memory each kernel is allowed
+_carveout: dict[tuple, int] = {}  # the shared-memory carveout each kernel asks for, in percent
 
 
 def resident_blocks(device: int, source: Source, name: str, threads: int, smem: int) -> int:
     """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory of kernel
     ``name`` that fit on the whole device at once (the grid of a grid-stride kernel that runs
     in one wave), counting the kernel's static shared memory too. A kernel with shared memory
-    gets all of L1 that can be shared memory (the carveout), and the dynamic size it asks for."""
+    asks for the dynamic size it needs and for the least carveout (the part of the SM's L1 that
+    is shared memory) that holds those blocks, the rest staying L1 cache."""
     key = (device, source.file, name, threads, smem)
     blocks = _resident.get(key)
     if blocks is None:
         from cupy.cuda import runtime as rt
 
         raw = get_raw_kernel(source, name, device)
-        if smem or raw.shared_size_bytes:
-            raw.preferred_shared_memory_carveout = 100
-        # The limit is the kernel's, not the launch's: it only ever grows, or a launch planned
-        # earlier with more shared memory than a later one would be refused by the driver.
-        allowed = _dynamic_smem.get((device, source.file, name), 48 * 1024)
+        # The limits are the kernel's, not the launch's: they only ever grow, or a launch planned
+        # earlier with more shared memory than a later one would be refused by the driver (or,
+        # for the carveout, run fewer blocks at once).
+        kernel = (device, source.file, name)
+        allowed = _dynamic_smem.get(kernel, 48 * 1024)
         if smem > allowed:
             raw.max_dynamic_shared_size_bytes = smem
-            _dynamic_smem[(device, source.file, name)] = smem
+            _dynamic_smem[kernel] = smem
 
         def attr(a):
             return rt.deviceGetAttribute(a, device)
@@ -351,12 +353,17 @@ def resident_blocks(device: int, source: Source, name: str, threads: int, smem: 
         warps = -(-threads // 32)
         regs_per_warp = -(-raw.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
         block_smem = smem + raw.shared_size_bytes + attr(rt.cudaDevAttrReservedSharedMemoryPerBlock)
+        sm_smem = attr(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor)
         per_sm = min(
             attr(rt.cudaDevAttrMaxRegistersPerMultiprocessor) // regs_per_warp // warps,
-            attr(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor) // block_smem,
+            sm_smem // block_smem,
             attr(rt.cudaDevAttrMaxThreadsPerMultiProcessor) // (warps * 32),
             attr(rt.cudaDevAttrMaxBlocksPerMultiprocessor),
         )
+        if smem or raw.shared_size_bytes:  # (the driver rounds up to a size the SM has)
+            carveout = min(100, -(-100 * max(1, per_sm) * block_smem // sm_smem))
+            if carveout > _carveout.get(kernel, 0):
+                raw.preferred_shared_memory_carveout = _carveout[kernel] = carveout
         blocks = _resident[key] = max(1, per_sm) * attr(rt.cudaDevAttrMultiProcessorCount)
     return blocks
 

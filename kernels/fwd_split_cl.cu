@@ -6,24 +6,25 @@
 //       widths K with K - 1 <= 16 (KS - 1), float32 x, no seq_idx, initial states of x's dtype.
 //
 // The block's shared memory (the plan's split_cl_shared_memory): the tap tables (p.tap_row
-// words a channel), the two staging buffers (from p.stage_at), the output tile (from p.outs_at).
-// A block of SPLIT_CL_WARPS warps takes items: SPLIT_CL_CHANNELS = 16 channels (one 64-byte run
-// a position) of one piece of p.span positions of one batch row (channel group fastest, then
-// piece, then row), and walks it in steps of TT = SPLIT_CL_STEP outputs. Step i's window, the
-// 16 (KS - 1) positions before its TT outputs and those, comes by 4-byte cp.async (16 lanes a
-// position's 64 bytes) into staging buffer i % 2 while step i - 1 is computed: position i,
-// channel q at (i / 16) SPLIT_CL_STAGE_BLOCK + 18 q + i % 16, so that both the copies' writes
-// and the MMAs' 8-byte reads meet 32 banks. Warp w computes channels CPW w .. CPW w + CPW - 1.
-// It first splits its channels' words of the window in place (within a channel's 16 positions
-// of a block: word 2 t the high parts of positions 2 t and 2 t + 1, word 2 t + 1 those of 2 t +
-// 8 and 2 t + 9, words 2 t + 8 and 2 t + 9 their low parts), so that a lane's B registers for an
-// m16n8k16 MMA (column n: the block of 16 positions 8 nt + n + s of the step, rows 2 tg, 2 tg +
-// 1, 2 tg + 8, 2 tg + 9) are one 8-byte load of high parts and one of low parts. A, the
-// channel's Toeplitz band for k-step s, comes from tables of the taps' high and low parts in
-// pairs (tap j, j + 1). An MMA's 8 columns are 8 blocks of 16 outputs; the three products' sums
-// run apart (three chains) and meet in the output stage, which adds the bias, applies SiLU and
-// writes the step's outputs into a tile (rows rotated by bits of the position so that the
-// fragment writes and the row reads meet 32 banks), out in 64-byte runs after the step's barrier.
+// words a channel), then the two staging buffers (from p.stage_at). A block of SPLIT_CL_WARPS
+// warps takes items: SPLIT_CL_CHANNELS = 16 channels (one 64-byte run a position) of one piece
+// of p.span positions of one batch row (channel group fastest, then piece, then row), and walks
+// it in steps of TT = SPLIT_CL_STEP outputs. Step i's window, the 16 (KS - 1) positions before
+// its TT outputs and those, comes by 4-byte cp.async (16 lanes a position's 64 bytes) into
+// staging buffer i % 2 while step i - 1 is computed and its outputs go out: position i, channel
+// q at (i / 16) SPLIT_CL_STAGE_BLOCK + 18 q + i % 16, so that both
+// the copies' writes and the MMAs' 8-byte reads meet 32 banks. Warp w computes channels CPW w ..
+// CPW w + CPW - 1. It first splits its channels' words of the window in place (within a
+// channel's 16 positions of a block: word 2 t the high parts of positions 2 t and 2 t + 1, word
+// 2 t + 1 those of 2 t + 8 and 2 t + 9, words 2 t + 8 and 2 t + 9 their low parts), so that a
+// lane's B registers for an m16n8k16 MMA (column n: the block of 16 positions 8 nt + n + s of
+// the step, rows 2 tg, 2 tg + 1, 2 tg + 8, 2 tg + 9) are one 8-byte load of high parts and one
+// of low parts. A, the channel's Toeplitz band for k-step s, comes from tables of the taps' high
+// and low parts in pairs (tap j, j + 1). An MMA's 8 columns are 8 blocks of 16 outputs; the
+// three products' sums run apart (three chains) and meet in the output stage, which adds the
+// bias, applies SiLU and writes each output into its channel's own word of the window at its
+// position (output p at window position 16 (KS - 1) + p: no output tile, so that more blocks
+// fit an SM); after the step's second barrier each thread stores the words it copied in.
 //
 // Every window word is written (zeros before the states, past the row or the channels), since a
 // zero weight times a stale NaN would not be zero; a non-finite input meets the band's zero
@@ -40,11 +41,6 @@ __device__ __noinline__ float own_taps_split(const float* x, const void* weight,
     return own_output(x, weight, bias, initial_states, p, b, c, pos);
 }
 
-// The output tile's rotation of position p's row of 16 channels: the fragment writes (lanes (g,
-// tg): positions 16 (2 tg + h) + g + 8 j of each 128, one channel) and the row reads meet 32
-// banks.
-__device__ __forceinline__ int split_cl_rotation(int p) { return ((p >> 1) & 3) | (((p >> 5) & 3) << 2); }
-
 template <typename T, int KS>
 __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_split_cl(FWD_ARRAYS, const __grid_constant__ FwdSplitClParams p) {
     if (final_states_blocks(x, seq_idx, initial_states, final_states, p)) return;
@@ -52,7 +48,7 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
     constexpr int KB = KS - 1, NT = TT / 128, NBLK = KB + TT / 16;  // window blocks of 16 positions
     constexpr int E0 = 32, STAGE = NBLK * SPLIT_CL_STAGE_BLOCK;  // (E0: a table's first tap pair)
     constexpr int ROWS = THREADS / 16, ITERS = (16 * NBLK + ROWS - 1) / ROWS;  // copy: positions an iteration
-    static_assert(same_type<T, float> && CH == 16 && CH % W == 0 && TT % 128 == 0 && (ROWS & (ROWS - 1)) == 0, "tiles");
+    static_assert(same_type<T, float> && CH == 16 && CH % W == 0 && TT % 128 == 0 && (ROWS & (ROWS - 1)) == 0 && TT % ROWS == 0, "tiles");
     const int64 batch = p.batch, dim = p.dim, seqlen = p.seqlen, span = p.span;
     const int width = (int)p.width, off = 16 * KB - (width - 1), tw = (int)p.tap_row;
     const int64 groups = (dim + CH - 1) / CH, pieces = (seqlen + span - 1) / span;
@@ -61,10 +57,9 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
     unsigned* const th = reinterpret_cast<unsigned*>(smem_raw);  // [CH][tw] the taps' high parts
     unsigned* const tl = th + CH * tw;                          // low parts
     float* const stage = reinterpret_cast<float*>(smem_raw + p.stage_at);  // [2][STAGE]
-    float* const outs = reinterpret_cast<float*>(smem_raw + p.outs_at);    // [TT][CH], rows rotated
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const int q = tid & 15, p0 = (tid >> 4) & (ROWS - 1);  // copy: this thread's channel, first position
-    const int oc = tid & (CH - 1), o0 = (tid / CH) & (THREADS / CH - 1);  // stores: channel, first position
+    // Copies and stores: this thread's channel and first position (ROWS positions apart).
+    const int q = tid & 15, p0 = (tid >> 4) & (ROWS - 1);
     const float* const states = static_cast<const float*>(initial_states);
     // Whether a warp met a non-finite sum, by step parity (set in the step's compute, read after
     // its second barrier, cleared by thread 0 a step ahead).
@@ -77,7 +72,7 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
         const int64 c0 = item % groups * CH, b = item / groups / pieces;
         const int64 t_begin = item / groups % pieces * span, t_end = min(seqlen, t_begin + span);
         const int n_steps = (int)((t_end - t_begin + TT - 1) / TT);
-        // (The previous item's tables and buffers were last read before its last step's barrier.)
+        // (The previous item's tables were last read before its last step's second barrier.)
         for (int e = tid; e < CH * tw; e += THREADS) {  // table entry E0 + i: taps i - off, i - off + 1
             const int64 c = c0 + e / tw;
             const int j = e % tw - E0 - off;
@@ -127,13 +122,13 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
             }
             cp_async_commit();
         };
+        __syncthreads();  // the previous item's last outputs are out of buffer 0 and 1
         copy(0);
         #pragma unroll 1
         for (int step = 0; step < n_steps; ++step) {
+            cp_async_wait<0>();
+            __syncthreads();  // the window is in; the previous step's outputs are out of the other buffer
             if (step + 1 < n_steps) copy(step + 1);
-            else cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();  // the window is in; the previous step's outputs are out
             float* const st = stage + (step & 1) * STAGE;
             // This warp's channels' words split in place (lanes: t, then blocks, then channels).
             #pragma unroll
@@ -171,7 +166,9 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
                         mma_bf16(acc[nt][2], al, bh.x, bh.y);
                     }
                 }
-                // Lane (g, tg)'s outputs: positions 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1).
+                // Lane (g, tg)'s outputs: positions 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1),
+                // into the channel's words of the window's blocks KB + 8 nt + 2 tg + (r & 1) (every
+                // lane's B loads are in: they fed the MMAs above).
                 float bv = biases[0];  // (biases[ci] without a dynamic index: the loop is not unrolled)
                 #pragma unroll
                 for (int k = 1; k < CPW; ++k) bv = ci == k ? biases[k] : bv;
@@ -183,28 +180,28 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
                         const int pos = 128 * nt + 16 * (2 * tg + (r & 1)) + g + 8 * (r >> 1);
                         const float v = acc[nt][0][r] + acc[nt][1][r] + acc[nt][2][r] + bv;
                         bad |= !isfinite(v);
-                        outs[CH * pos + ((c + split_cl_rotation(pos)) & (CH - 1))] = p.silu_act ? silu(v) : v;
+                        st[(KB + (pos >> 4)) * SPLIT_CL_STAGE_BLOCK + 18 * c + (pos & 15)] = p.silu_act ? silu(v) : v;
                     }
                 if (__any_sync(0xffffffffu, bad) && lane == 0) redo[par] = 1;
             }
-            __syncthreads();  // the step's outputs are in the tile
-            // Out: each thread keeps its channel oc and steps THREADS / CH positions at a time. In
-            // a step with non-finite sums, those outputs are computed again from their own taps
-            // (an output is non-finite exactly where its sum was: SiLU keeps finite sums finite).
+            __syncthreads();  // the step's outputs are in the window
+            // Out: each thread keeps its channel q and steps ROWS positions at a time. In a step
+            // with non-finite sums, those outputs are computed again from their own taps (an
+            // output is non-finite exactly where its sum was: SiLU keeps finite sums finite).
             const bool again = redo[par];
-            if (c0 + oc < dim) {
-                constexpr int OR = THREADS / CH;
-                const int64 stride = OR * p.out_l_stride;
-                float* const dst = out + b * p.out_batch_stride + (c0 + oc) * p.out_c_stride + (t0 + o0) * p.out_l_stride;
-                auto value = [&](int pos) { return outs[CH * pos + ((oc + split_cl_rotation(pos)) & (CH - 1))]; };
+            if (q_live) {
+                const int64 stride = ROWS * p.out_l_stride;
+                float* const dst = out + b * p.out_batch_stride + (c0 + q) * p.out_c_stride + (t0 + p0) * p.out_l_stride;
+                const float* const word = st + KB * SPLIT_CL_STAGE_BLOCK + 18 * q;
+                auto value = [&](int pos) { return word[(pos >> 4) * SPLIT_CL_STAGE_BLOCK + (pos & 15)]; };
                 if (t0 + TT <= t_end && !again) {
                     #pragma unroll
-                    for (int k = 0; k < TT / OR; ++k) dst[k * stride] = value(o0 + OR * k);
+                    for (int k = 0; k < TT / ROWS; ++k) dst[k * stride] = value(p0 + ROWS * k);
                 } else {
                     #pragma unroll 1
-                    for (int k = 0; k < TT / OR && t0 + o0 + OR * k < t_end; ++k) {
-                        float v = value(o0 + OR * k);
-                        if (!isfinite(v)) v = own_taps_split(x, weight, bias, initial_states, p, b, c0 + oc, t0 + o0 + OR * k);
+                    for (int k = 0; k < TT / ROWS && t0 + p0 + ROWS * k < t_end; ++k) {
+                        float v = value(p0 + ROWS * k);
+                        if (!isfinite(v)) v = own_taps_split(x, weight, bias, initial_states, p, b, c0 + q, t0 + p0 + ROWS * k);
                         dst[k * stride] = v;
                     }
                 }

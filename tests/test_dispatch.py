@@ -88,9 +88,9 @@ def CL():  # noqa: N802 - names a layout
         pytest.param(CL, 8, "fwd_channel<float, 8, false, 16, 16>", id="cl-width8"),
         pytest.param(CL, 9, "fwd_channel<float, 9, false, 32, 8>", id="cl-width9"),
         pytest.param(CL, 16, "fwd_channel<float, 16, false, 32, 8>", id="cl-width16"),
-        pytest.param(CL, 17, "fwd_channel_wide<float>", id="cl-width17"),
-        pytest.param(CL, 37, "fwd_channel_wide<float>", id="cl-width37"),
-        pytest.param(CL, 38, "fwd_split_cl<float, 4>", id="cl-width38"),
+        pytest.param(CL, 17, "fwd_split_cl<float, 2>", id="cl-width17"),
+        pytest.param(CL, 33, "fwd_split_cl<float, 3>", id="cl-width33"),
+        pytest.param(CL, 34, "fwd_split_cl<float, 4>", id="cl-width34"),
         pytest.param(CL, 256, "fwd_split_cl<float, 17>", id="cl-width256"),
         pytest.param(
             lambda: FakeCudaArray((2, 64, 300), (64 * 600, 600, 2)), 4, "fwd_general<float>",
@@ -165,7 +165,9 @@ def test_width1_has_no_final_states_launch(launches):
 
 def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     """Blocks per SM = min over registers, shared memory, threads and the block limit; a plan's
-    blocks an SM fit its shared memory with the driver's reserve a block (``blocks_fit``)."""
+    blocks an SM fit its shared memory with the driver's reserve a block (``blocks_fit``); a
+    kernel with shared memory asks for the least carveout that holds its blocks, never less than
+    it asked for before."""
     import sys
     import types
 
@@ -195,11 +197,18 @@ def test_resident_blocks_takes_the_tightest_limit(monkeypatch):
     monkeypatch.setattr(_launch, "get_raw_kernel", lambda source, name, device: kernel)
     source = _forward_plan.SOURCES["fwd_mma.cu"]
 
-    # 64 registers x 128 threads: 8 blocks; 16 KB of shared memory would allow 13.
+    monkeypatch.setattr(_launch, "_carveout", {})
+    # 64 registers x 128 threads: 8 blocks; 16 KB of shared memory would allow 13. The 8 blocks'
+    # 8 x 17408 bytes are 59.6 % of the SM's 233472.
     assert _launch.resident_blocks(0, source, "k", 128, 16 * 1024) == 8 * 132
-    assert kernel.preferred_shared_memory_carveout == 100
-    # 40 KB of shared memory per block: 233472 // (40960 + 1024) = 5 blocks.
+    assert kernel.preferred_shared_memory_carveout == 60
+    # 40 KB of shared memory per block: 233472 // (40960 + 1024) = 5 blocks, 89.9 % of it.
     assert _launch.resident_blocks(0, source, "k", 128, 40 * 1024) == 5 * 132
+    assert kernel.preferred_shared_memory_carveout == 90
+    # 8 blocks of 8 KB need 32 %; the kernel keeps the 90 % a plan made before needs.
+    del kernel.preferred_shared_memory_carveout
+    assert _launch.resident_blocks(0, source, "k", 128, 8 * 1024) == 8 * 132
+    assert not hasattr(kernel, "preferred_shared_memory_carveout")
     # 72 registers round up to 2304 per warp: 28 warps, 7 blocks of 4 warps.
     kernel.num_regs = 72
     assert _launch.resident_blocks(0, source, "k2", 128, 0) == 7 * 132
@@ -301,8 +310,10 @@ WIDE_CHANNEL = "fwd_channel<__half, {}, false, 32, 4>"  # fwd_channel's tiles ab
         # MMA_XSPLIT_MIN_WIDTH, channel-contiguous from SPLIT_CL_MIN_WIDTH (fwd_split_cl)
         (F32, F32, None, 64, "fwd_mma<float, 5, true, 0>", "fwd_split_cl<float, 5>"),
         (F32, F16, None, 40, "fwd_mma<float, 4, true, 0>", "fwd_split_cl<float, 4>"),
-        (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_channel_wide<float>"),
-        (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_channel_wide<float>"),
+        (F32, F16, None, 18, "fwd_mma<float, 3, true, 0>", "fwd_split_cl<float, 3>"),
+        (F32, F32, None, 17, "fwd_time<float, 17, false, 8, 1>", "fwd_split_cl<float, 2>"),
+        (F32, F32, None, 16, "fwd_time<float, 16, false, 8, 1>",
+         "fwd_channel<float, 16, false, 32, 8>"),
         # float32 x with states of another dtype: the CUDA-core kernels
         (F32, F32, F16, 64, "fwd_time_wide<float, false>", "fwd_channel_wide<float>"),
         (F16, F32, None, 17, f"fwd_time<{H}, 17, false, 2, 4>", f"fwd_channel_wide<{H}>"),
@@ -670,8 +681,8 @@ def test_channel_wide_tiles(launches, monkeypatch, limit, width, steps, buffers)
         (SM90_SMEM, 38, (1, 64, 16384), 256),  # 4 channel groups: halved down to one step
         (SM90_SMEM, 40, (8, 1024, 4096), 512),  # the first span whose items reach 2 x 132 x 8
         (SM90_SMEM, 256, (2, 40, 3000), 256),
-        (SM86_SMEM, 145, (2, 40, 3000), 256),  # KS 10, the last whose block fits
-        (SM86_SMEM, 146, (2, 40, 3000), None),  # (fwd_channel_wide's does not either)
+        (SM86_SMEM, 193, (2, 40, 3000), 256),  # KS 13, the last whose block fits
+        (SM86_SMEM, 194, (2, 40, 3000), None),  # (fwd_channel_wide's does not either)
     ],
 )  # fmt: skip
 def test_split_cl_plan(launches, monkeypatch, limit, width, shape, span):
@@ -687,16 +698,16 @@ def test_split_cl_plan(launches, monkeypatch, limit, width, shape, span):
     ks = _launch.mma_steps(width)
     if span is None:
         assert name == "fwd_general<float>"
-        assert _forward_plan.split_cl_shared_memory(ks)[3] > limit
+        assert _forward_plan.split_cl_shared_memory(ks)[2] > limit
         return
     tt = _forward_plan.CONSTANTS["SPLIT_CL_STEP"]
     assert name == f"fwd_split_cl<float, {ks}>"
-    tap_row, stage_at, outs_at, smem = _forward_plan.split_cl_shared_memory(ks)
+    tap_row, stage_at, smem = _forward_plan.split_cl_shared_memory(ks)
     assert (params["span"], params["tap_row"]) == (span, 16 * (ks - 1) + 48)
-    assert (params["stage_at"], params["outs_at"]) == (stage_at, outs_at)
+    assert params["stage_at"] == stage_at
     assert stage_at == 2 * 16 * tap_row * 4  # two tables of tap pairs a channel
     stage_words = (ks - 1 + tt // 16) * _forward_plan.CONSTANTS["SPLIT_CL_STAGE_BLOCK"]
-    assert outs_at - stage_at == 2 * stage_words * 4 and smem - outs_at == tt * 16 * 4
+    assert smem - stage_at == 2 * stage_words * 4  # two staging buffers, no output tile
     assert plan.smem == smem <= limit
     assert plan.block == (32 * _forward_plan.CONSTANTS["SPLIT_CL_WARPS"], 1)
     assert plan.grid == batch * -(-dim // 16) * -(-seqlen // span)
@@ -726,5 +737,5 @@ def test_every_launch_fits_the_device(launches, monkeypatch, limit):
                     wide = layout in ("cl", "cl_slice") and width > 8
                     fallbacks += wide and name.startswith("fwd_general")
     # Channel-last on sm_86, 2 layouts x 2 lengths: float64 from width 135 (122 widths), float32
-    # where fwd_split_cl's block does not fit either, from width 146 (111; 16-bit x takes fwd_mma).
-    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 4 * 122 + 4 * 111}[limit]
+    # where fwd_split_cl's block does not fit either, from width 194 (63; 16-bit x takes fwd_mma).
+    assert fallbacks == {SM90_SMEM: 0, SM80_SMEM: 0, SM86_SMEM: 4 * 122 + 4 * 63}[limit]

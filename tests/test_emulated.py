@@ -233,7 +233,9 @@ FORWARD = {
     (SHAPE, 64, "cf", "float64", None, (), 900): "fwd_time_wide",
     (SHAPE, 64, "cl", "float32", None, (), 900): "fwd_split_cl",
     (SHAPE, 39, "cl_slice", "float32", "bfloat16", ("states", "non_finite"), 900): "fwd_split_cl",
-    (SHAPE, 29, "cl", "float32", None, ("states",), 900): "fwd_channel_wide",
+    (SHAPE, 29, "cl", "float32", None, ("states",), 900): "fwd_split_cl",
+    (SHAPE, 17, "cl_slice", "float32", None, ("non_finite",), 800): "fwd_split_cl",
+    (SHAPE, 29, "cl", "float64", None, ("states",), 900): "fwd_channel_wide",
     (SHAPE, 256, "cl", "float32", None, ("states",), 800): "fwd_split_cl",
     (SHAPE, 9, "cl_odd", "bfloat16", None, ("seq_idx",), 900): "fwd_general",
 }

@@ -475,7 +475,8 @@ def test_split_window_on_tensor_cores(dtype, wdtype, layout):
 @pytest.mark.parametrize(
     "layout,dtype,wdtype,width,segments,kernel",
     [
-        ("cl", "float32", "float32", 17, 0, "fwd_channel_wide"),
+        ("cl", "float32", "float32", 17, 0, "fwd_split_cl"),  # KS 2
+        ("cl", "float64", "float64", 17, 0, "fwd_channel_wide"),
         ("cl", "float32", "float32", 40, 0, "fwd_split_cl"),
         ("cl", "float64", "float64", 100, 0, "fwd_channel_wide"),
         ("cl", "float16", "float32", 64, 0, "fwd_channel_wide"),  # x through registers
