@@ -167,8 +167,9 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
                     }
                 }
                 // Lane (g, tg)'s outputs: positions 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1),
-                // into the channel's words of the window's blocks KB + 8 nt + 2 tg + (r & 1) (every
-                // lane's B loads are in: they fed the MMAs above).
+                // into the channel's words of the window's blocks KB + 8 nt + 2 tg + (r & 1), once
+                // every lane's B loads of them are done.
+                __syncwarp();
                 float bv = biases[0];  // (biases[ci] without a dynamic index: the loop is not unrolled)
                 #pragma unroll
                 for (int k = 1; k < CPW; ++k) bv = ci == k ? biases[k] : bv;
