@@ -5,26 +5,25 @@
 //   fwd_split_cl<float, KS>
 //       widths K with K - 1 <= 16 (KS - 1), float32 x, no seq_idx, initial states of x's dtype.
 //
-// The block's shared memory (the plan's split_cl_shared_memory): the tap tables (p.tap_row
-// words a channel), then the two staging buffers (from p.stage_at). A block of SPLIT_CL_WARPS
-// warps takes items: SPLIT_CL_CHANNELS = 16 channels (one 64-byte run a position) of one piece
-// of p.span positions of one batch row (channel group fastest, then piece, then row), and walks
-// it in steps of TT = SPLIT_CL_STEP outputs. Step i's window, the 16 (KS - 1) positions before
-// its TT outputs and those, comes by 4-byte cp.async (16 lanes a position's 64 bytes) into
-// staging buffer i % 2 while step i - 1 is computed and its outputs go out: position i, channel
-// q at (i / 16) SPLIT_CL_STAGE_BLOCK + 18 q + i % 16, so that both
-// the copies' writes and the MMAs' 8-byte reads meet 32 banks. Warp w computes channels CPW w ..
-// CPW w + CPW - 1. It first splits its channels' words of the window in place (within a
-// channel's 16 positions of a block: word 2 t the high parts of positions 2 t and 2 t + 1, word
-// 2 t + 1 those of 2 t + 8 and 2 t + 9, words 2 t + 8 and 2 t + 9 their low parts), so that a
-// lane's B registers for an m16n8k16 MMA (column n: the block of 16 positions 8 nt + n + s of
-// the step, rows 2 tg, 2 tg + 1, 2 tg + 8, 2 tg + 9) are one 8-byte load of high parts and one
-// of low parts. A, the channel's Toeplitz band for k-step s, comes from tables of the taps' high
-// and low parts in pairs (tap j, j + 1). An MMA's 8 columns are 8 blocks of 16 outputs; the
-// three products' sums run apart (three chains) and meet in the output stage, which adds the
-// bias, applies SiLU and writes each output into its channel's own word of the window at its
-// position (output p at window position 16 (KS - 1) + p: no output tile, so that more blocks
-// fit an SM); after the step's second barrier each thread stores the words it copied in.
+// The block's shared memory (the plan's split_cl_shared_memory): the tap tables (p.tap_row words a
+// channel), then the two staging buffers (from p.stage_at). A block of SPLIT_CL_WARPS warps takes
+// items: SPLIT_CL_CHANNELS = 16 channels (one 64-byte run a position) of one piece of p.span
+// positions of one batch row (channel group fastest, then piece, then row), and walks it in steps
+// of TT = SPLIT_CL_STEP outputs. Step i's window, the 16 (KS - 1) positions before its TT outputs
+// and those, comes by 4-byte cp.async (16 lanes a position's 64 bytes) into staging buffer i % 2
+// while step i - 1 is computed and its outputs go out: position i, channel q at (i / 16)
+// SPLIT_CL_STAGE_BLOCK + 18 q + i % 16, so that both the copies' writes and the MMAs' 8-byte reads
+// meet 32 banks. Warp w computes channels CPW w .. CPW w + CPW - 1. It first splits its channels'
+// words of the window in place (within a channel's 16 positions of a block: word 2 t the high parts
+// of positions 2 t and 2 t + 1, word 2 t + 1 those of 2 t + 8 and 2 t + 9, words 2 t + 8 and 2 t +
+// 9 their low parts), so that a lane's B registers for an m16n8k16 MMA (column n: the block of 16
+// positions 8 nt + n + s of the step, rows 2 tg, 2 tg + 1, 2 tg + 8, 2 tg + 9) are one 8-byte load
+// of high parts and one of low parts. A, the channel's Toeplitz band for k-step s, comes from
+// tables of the taps' high and low parts in pairs (tap j, j + 1). An MMA's 8 columns are 8 blocks
+// of 16 outputs; the three products' sums run apart (three chains) and meet in the output stage,
+// which adds the bias, applies SiLU and writes each output into its channel's own word of the
+// window at its position (output p at window position 16 (KS - 1) + p: no output tile, so that more
+// blocks fit an SM); after the step's second barrier each thread stores the words it copied in.
 //
 // Every window word is written (zeros before the states, past the row or the channels), since a
 // zero weight times a stale NaN would not be zero; a non-finite input meets the band's zero
@@ -122,7 +121,7 @@ __global__ void __launch_bounds__(32 * SPLIT_CL_WARPS, SPLIT_CL_BLOCKS) fwd_spli
             }
             cp_async_commit();
         };
-        __syncthreads();  // the previous item's last outputs are out of buffer 0 and 1
+        __syncthreads();  // the previous item's last outputs are out of its buffers
         copy(0);
         #pragma unroll 1
         for (int step = 0; step < n_steps; ++step) {
