@@ -594,7 +594,7 @@ def _plan_channel(x, out, name, itemsize, width) -> Launch:
     )  # fmt: skip
 
 
-def split_cl_shared_memory(ks: int) -> tuple[int, int, int, int]:
+def split_cl_shared_memory(ks: int) -> tuple[int, int, int]:
     """fwd_split_cl's block at ``ks`` k-steps: (tap_row, stage_at, bytes). Two tap tables (high
     and low parts) of tap_row words a channel (16 (KS - 1) + 48: the pairs a lane's A fragments
     reach, from word 17 to 16 (KS - 1) + 46), then two staging buffers of KS - 1 + TT / 16 blocks
