@@ -23,9 +23,7 @@ into bfloat16 high and low parts (three products, 2^-17 relative, the library's 
 each x pair split once a step: each warp turns its channels' words of the staged window into
 bfloat16 high and low parts in place, laid out so that a lane's B registers are one 8-byte load
 of each (the library's ``fwd_split_cl`` is this
-kernel in the library's frame). ``pack_cl`` (bfloat16 x) does the same for 16-bit x: each warp
-repacks its channel pairs' staged words in place (byte permutes), one product a k-step, as an
-alternative to ``fwd_mma_cl``'s ldmatrix transposes.
+kernel in the library's frame).
 
 Printed: the MMA rate of m16n8k8 TF32 chains; each instance's largest error against float64 on
 small shapes; then, by dtype and width, the copy of x's bytes, cupyconv's forward and this kernel
@@ -428,103 +426,6 @@ __global__ void __launch_bounds__(32 * WARPS)
     walk_piece<CH, TT, WARPS, KB, BS, 18, 1>(x, out, pc, seqlen, dim, stage,
                                              ALIAS ? nullptr : outs, compute);
 }
-// 16-bit x on m16n8k16 MMAs without transposes: each warp repacks its channel pairs' words of
-// the staged window in place (a staged word holds two neighbouring channels at one position;
-// within a word column's 16 positions of a block, word 2 t becomes the even channel's positions
-// 2 t, 2 t + 1, word 2 t + 1 its 2 t + 8, 2 t + 9, words 2 t + 8 and 2 t + 9 the odd channel's),
-// four byte permutes a position quad, so that a lane's B registers are one 8-byte load. One
-// product a k-step; A from a table of tap pairs (j, j + 1). Blocks of 32 channels, steps, outputs
-// as tf32_cl. A warp computes a word's two channels at once; ALIAS: their outputs go back into
-// the word at its position (walk_piece's ALIAS), no output tile, 4-byte stores.
-template <int K, int TT, int WARPS, int ALIAS>
-__global__ void __launch_bounds__(32 * WARPS)
-    pack_cl(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, int seqlen,
-            int dim, int span, int silu) {
-    constexpr int CH = 32, CPW = CH / WARPS, WPW = CPW / 2;  // channels, words a warp
-    constexpr int KB = (K - 1 + 15) / 16, OFF = 16 * KB - (K - 1), KS = KB + 1;
-    constexpr int NT = TT / 128, NBLK = KB + TT / 16, BS = 296, TW = 16 * KB + 48, E0 = 32;
-    constexpr int STAGE = NBLK * BS;
-    static_assert(TT % 128 == 0 && CPW % 2 == 0, "tiles: whole words a warp");
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* const sm = reinterpret_cast<float*>(smem_raw);
-    unsigned* const taps = reinterpret_cast<unsigned*>(sm);  // [CH][TW]: taps j, j + 1
-    float* const stage = sm + CH * TW;                       // [2][STAGE]
-    float* const outs = stage + 2 * STAGE;                   // [TT][CH], rows rotated
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const Piece pc = piece_of<CH, TT>(seqlen, dim, span);
-    const int c0 = pc.c0;
-    for (int e = tid; e < CH * TW; e += 32 * WARPS) {
-        const int c = c0 + e / TW, j = e % TW - E0;
-        auto tap = [&](int k) {
-            return c < dim && k >= 0 && k < K ? __bfloat16_as_ushort(w[(long long)c * K + k]) : 0;
-        };
-        taps[e] = tap(j) | (unsigned)tap(j + 1) << 16;
-    }
-    auto compute = [&](const float* cst) {
-        unsigned* const st = reinterpret_cast<unsigned*>(const_cast<float*>(cst));
-        // This warp's words repacked in place (lanes: t, then blocks, then words).
-        #pragma unroll
-        for (int i = 0; i < (WPW * NBLK * 4 + 31) / 32; ++i) {
-            const int e = lane + 32 * i, t = e & 3, b = (e >> 2) % NBLK;
-            const int q = warp * WPW + (e >> 2) / NBLK;
-            if (e < WPW * NBLK * 4) {
-                unsigned* const wp = st + b * BS + 18 * q + 2 * t;
-                const uint2 a = *reinterpret_cast<const uint2*>(wp);
-                const uint2 z = *reinterpret_cast<const uint2*>(wp + 8);
-                *reinterpret_cast<uint2*>(wp) =
-                    make_uint2(__byte_perm(a.x, a.y, 0x5410), __byte_perm(z.x, z.y, 0x5410));
-                *reinterpret_cast<uint2*>(wp + 8) =
-                    make_uint2(__byte_perm(a.x, a.y, 0x7632), __byte_perm(z.x, z.y, 0x7632));
-            }
-        }
-        __syncwarp();
-        #pragma unroll 1
-        for (int wi = 0; wi < WPW; ++wi) {
-            const int q = warp * WPW + wi, c = 2 * q;  // channels c, c + 1
-            float acc[2][NT][1][4] = {};
-            #pragma unroll
-            for (int s = 0; s < KS; ++s) {
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const unsigned* const tp = taps + (c + h) * TW + E0 + 16 * s + 2 * tg - g - OFF;
-                    const unsigned a0 = tp[0], a1 = tp[-8], a2 = tp[8];
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 b = *reinterpret_cast<const uint2*>(
-                            st + (8 * nt + g + s) * BS + 18 * q + 8 * h + 2 * tg);
-                        mma_bf16(acc[h][nt][0], a0, a1, a2, a0, b.x, b.y);
-                    }
-                }
-            }
-            if constexpr (ALIAS) {
-                float bv[2];
-                #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    bv[h] = bias && c0 + c + h < dim ? __bfloat162float(bias[c0 + c + h]) : 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        float v[2];
-                        #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            v[h] = acc[h][nt][0][r] + bv[h];
-                            if (silu) v[h] = __fdividef(v[h], 1.f + __expf(-v[h]));
-                        }
-                        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[0], v[1]);
-                        // position 128 nt + 16 (2 tg + (r & 1)) + g + 8 (r >> 1) of the step
-                        st[(KB + 8 * nt + 2 * tg + (r & 1)) * BS + 18 * q + g + 8 * (r >> 1)] =
-                            *reinterpret_cast<const unsigned*>(&pair);
-                    }
-            } else {
-                tile_outputs<CH>(acc, outs, bias, c0, c, dim, lane, silu);
-            }
-        }
-    };
-    walk_piece<CH, TT, WARPS, KB, BS, 18, 2>(x, out, pc, seqlen, dim, stage,
-                                             ALIAS ? nullptr : outs, compute);
-}
 """
 
 WIDTHS = (16, 31, 64, 128, 256)
@@ -540,22 +441,20 @@ PSPLIT = (
     (128, 8, 1, 0, 0), (128, 8, 0, 1, 0), (256, 8, 1, 1, 0), (256, 8, 0, 1, 0),
     (128, 8, 0, 1, 1), (256, 8, 0, 1, 1), (256, 8, 0, 0, 1),
 )  # fmt: skip
-# pack_cl (bfloat16 alone): (TT, WARPS, ALIAS).
-PACK = ((128, 8, 0), (256, 8, 0), (128, 8, 1), (256, 8, 1), (256, 16, 1))
 TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16"}
 
 
 def instances(dtype: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
     """(kernel, config) of every instance built for ``dtype`` at ``width``."""
-    kernel, configs = ("psplit", PSPLIT) if dtype == "float32" else ("pack", PACK)
-    return [("tf32", c) for c in CONFIGS] + [(kernel, c) for c in configs]
+    split = [("psplit", c) for c in PSPLIT] if dtype == "float32" else []
+    return [("tf32", c) for c in CONFIGS] + split
 
 
 def instance_name(dtype: str, width: int, kernel: str, config: tuple[int, ...]) -> str:
     values = ", ".join(map(str, config))
     if kernel == "tf32":
         return f"tf32_cl<{TYPES[dtype]}, {width}, {values}>"
-    return f"{kernel}_cl<{width}, {values}>"
+    return f"psplit_cl<{width}, {values}>"
 
 
 NAMES = [instance_name(d, k, *i) for d in TYPES for k in WIDTHS for i in instances(d, k)] + [
@@ -569,10 +468,6 @@ def smem_bytes(kernel: str, width: int, config: tuple[int, ...], itemsize: int) 
     kb = -(-(width - 1) // 16)
     tt = config[0]
     ch = 64 // itemsize
-    if kernel == "pack":  # (ALIAS, config[2]: no output tile)
-        return (
-            ch * (16 * kb + 48) * 4 + 2 * (kb + tt // 16) * 296 * 4 + (1 - config[2]) * tt * ch * 4
-        )
     if kernel == "psplit":  # (ALIAS, config[4]: no output tile)
         return (
             2 * ch * (16 * kb + 48) * 4 * (1 + config[2])
@@ -617,8 +512,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default=None,
-        help="tf32:TT:WARPS:SEP:PAIR, psplit:TT:WARPS:DUP:SEP:ALIAS (float32) or "
-        "pack:TT:WARPS:ALIAS (bfloat16), comma-separated (default all)",
+        help="tf32:TT:WARPS:SEP:PAIR or psplit:TT:WARPS:DUP:SEP:ALIAS (float32), "
+        "comma-separated (default all)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the rate and the checks")
     parser.add_argument(
@@ -644,8 +539,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def label(instance):
         kernel, config = instance
-        more = {"psplit": ("dup", "sep", "alias"), "pack": ("alias",)}
-        fields = ("TT", "warps") + more.get(kernel, ("sep", "pair"))
+        more = ("dup", "sep", "alias") if kernel == "psplit" else ("sep", "pair")
+        fields = ("TT", "warps") + more
         return f"{kernel} " + " ".join(f"{k} {v}" for k, v in zip(fields, config))
 
     def run_kernel(dtype, width, instance, x, w, bias, out, span):

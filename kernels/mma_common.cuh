@@ -98,7 +98,7 @@ __device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsig
 }
 
 // The backward's (bwd_mma, bwd_mma_time): the diagonal sums of dweight's lag products.
-
+//
 // Adds the diagonals of lag d's C_d (cd, written by the whole warp) to this lane's dweight sums
 // dw[j] (taps k = lane + 32 j): C_d[a][e] belongs to tap k = K - 1 - 16 d - e + a.
 template <int KS>

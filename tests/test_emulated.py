@@ -544,9 +544,6 @@ def test_randomised(seed):
 PROTOTYPES = (
     ("float32", 64, "psplit", (256, 8, 0, 1, 1)),
     ("float32", 31, "psplit", (128, 8, 1, 0, 0)),
-    ("bfloat16", 64, "pack", (128, 8, 1)),
-    ("bfloat16", 31, "pack", (256, 16, 1)),
-    ("bfloat16", 64, "pack", (256, 8, 0)),
 )
 
 
@@ -556,12 +553,10 @@ PROTOTYPES = (
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v),
 )
 def test_channel_last_prototypes(dtype, width, kernel, config):
-    """benchmarks/tf32_cl.py's channel-last tensor-core prototypes on the CPU against the
-    reference (float32 x split once a step in the staging buffer, with the outputs in the
-    window's own words or an output tile; bfloat16 channel pairs repacked in place, the outputs
-    likewise): channels
-    not a multiple of the block's, rows not a multiple of the step, pieces of 256 positions,
-    bias and SiLU."""
+    """benchmarks/tf32_cl.py's channel-last tensor-core prototype psplit_cl on the CPU against
+    the reference (float32 x split once a step in the staging buffer, with the outputs in the
+    window's own words or an output tile): channels not a multiple of the block's, rows not a
+    multiple of the step, pieces of 256 positions, bias and SiLU."""
     import sys
     from pathlib import Path
 
