@@ -30,6 +30,7 @@ from ._launch import (
     dtype_code,
     fast_divisor,
     mma_steps,
+    multiprocessors,
     pack,
     piece_spans,
     resident_blocks,
@@ -106,11 +107,13 @@ MMA_CL_ROW_BUFFERS = (2, 1)
 # measured, on an H100"; KS 6 / 7 10-22 % faster than fwd_mma: "fwd_mma_cl in 8-warp blocks at
 # KS 2 and 6-7"), and fwd_mma's channel-contiguous form where its block does not fit the device
 # (KS 7 on sm_86 / sm_89, whose blocks take at most LEAST_SMEM_LIMIT bytes); pieces of rows of
-# MMA_CL_LONGEST steps or half, a quarter .. down to MMA_CL_SHORTEST: the shortest whose
-# estimated time is within MMA_CL_SLACK of the least (a wave of items counted at least
-# MMA_CL_FILL as long as a full one).
+# MMA_CL_LONGEST steps or half, a quarter .. down to MMA_CL_SHORTEST: of the spans whose items
+# all run at once with at least MMA_CL_ROUND blocks an SM, the one of the fewest items (fewer,
+# longer pieces: benchmarks/NOTES.md, "fwd_mma_cl's pieces in one round"); where no span does,
+# the shortest whose estimated time is within MMA_CL_SLACK of the least (a wave of items counted
+# at least MMA_CL_FILL as long as a full one).
 MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
-MMA_CL_FILL, MMA_CL_SLACK = 0.8, 1.05
+MMA_CL_ROUND, MMA_CL_FILL, MMA_CL_SLACK = 1.9, 0.8, 1.05
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_split_cl: float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH, past fwd_channel's widths
 # (fwd_channel_wide was as fast at width 17 on an H100 and slower beyond), items of up to
@@ -532,8 +535,12 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
     spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
-    least = min(map(time, spans))
-    span = min(s for s in spans if time(s) <= MMA_CL_SLACK * least)
+    one_round = [s for s in spans if MMA_CL_ROUND * multiprocessors(device) <= items(s) <= resident]
+    if one_round:  # the fewest items, the shortest of those (a unit group may have empty columns)
+        span = min(one_round, key=lambda s: (items(s), s))
+    else:
+        least = min(map(time, spans))
+        span = min(s for s in spans if time(s) <= MMA_CL_SLACK * least)
     pieces = -(-seqlen // span)
     return MMA_CL.launch(
         name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem,

@@ -404,6 +404,19 @@ def shared_memory_limit(device: int) -> int:
     return limit
 
 
+_sm_count: dict[int, int] = {}
+
+
+def multiprocessors(device: int) -> int:
+    """The SMs of ``device``."""
+    count = _sm_count.get(device)
+    if count is None:
+        from cupy.cuda import runtime as rt
+
+        count = _sm_count[device] = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device)
+    return count
+
+
 def acc_bytes(itemsize: int) -> int:
     """Bytes of the accumulation type of x's dtype (double for float64, else float)."""
     return 8 if itemsize == 8 else 4

@@ -290,6 +290,7 @@ def emulated_gpu(arch: int = 900, resident: int = 2):
         for attr, value in (
             ("resident_blocks", lambda device, source, name, threads, smem: resident),
             ("shared_memory_limit", lambda device: smem_limit),
+            ("multiprocessors", lambda device: 132),
             ("blocks_fit", fit),
             ("_plans", {}),
         ):

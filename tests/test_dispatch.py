@@ -56,8 +56,9 @@ def launches(monkeypatch):
 
 
 def fake_device(monkeypatch, limit):
-    """A device whose blocks may have ``limit`` bytes of dynamic shared memory, and whose SMs
-    hold that and a reserved kilobyte a block (sm_80 to sm_90)."""
+    """A device of 132 SMs whose blocks may have ``limit`` bytes of dynamic shared memory, and
+    whose SMs hold that and a reserved kilobyte a block (sm_80 to sm_90)."""
+    monkeypatch.setattr(_forward_plan, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(_forward_plan, "shared_memory_limit", lambda device: limit)
     fit = lambda device, smem, blocks: blocks * (smem + 1024) <= limit + 1024  # noqa: E731
     monkeypatch.setattr(_forward_plan, "blocks_fit", fit)
@@ -567,19 +568,25 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
     "shape,resident,span",
     [
         # 2 full waves of 1280 items of 256 steps, 3 % behind 1 wave of 640 of 512: the shorter
-        ((8, 5120, 2048), 132 * 5, 256),
+        # 320 items of 1024 steps: one round of 2.4 blocks an SM
+        ((8, 5120, 2048), 132 * 5, 1024),
+        ((1, 4096, 16384), 132 * 5, 1024),  # 256 items: 1.94 blocks an SM
+        # 512 items of 1024 steps (half of each item's 8 columns empty) or of 512: the shorter
+        ((2, 16384, 2048), 132 * 5, 512),
+        # no span runs in one round of 1.9 blocks an SM or more: the waves' model
         ((8, 5120, 2048), 132, 256),
-        # 1024 items of 256 steps would leave a second wave half full: 512 of 512 steps
-        ((1, 4096, 16384), 132 * 5, 512),
+        ((8, 5120, 2048), 132 * 2, 256),  # (640 items of 512 steps: 2.4 waves)
+        ((1, 4096, 16384), 132 * 3 // 2, 512),  # 512 items of 512 steps in 2.6 waves
         ((2, 64, 40), 132 * 5, 48),  # rows shorter than a piece: one piece a row
         ((64, 1024, 512), 64, 256),
     ],
 )  # fmt: skip
 def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
     """fwd_mma_cl cuts rows into pieces of MMA_CL_LONGEST steps or half, a quarter .. down to
-    MMA_CL_SHORTEST, the shortest whose waves of items (32 channels, 8 pieces; a wave counted at
-    least MMA_CL_FILL full) take at most MMA_CL_SLACK times the least; a persistent grid of at
-    most the resident blocks."""
+    MMA_CL_SHORTEST: of those whose items (32 channels, 8 pieces) run in one round of at least
+    MMA_CL_ROUND blocks an SM (132 SMs), the one of the fewest items (the shortest of those), else
+    the shortest whose waves of items (a wave counted at least MMA_CL_FILL full) take at most
+    MMA_CL_SLACK times the least; a persistent grid of at most the resident blocks."""
     plan, _ = mma_plan(monkeypatch, shape, "cl", "bfloat16", "bfloat16", 16, resident)
     fields = dict(zip(_forward_plan.MMA_CL.plan_fields, plan.plan_fields))
     b, c, length = shape

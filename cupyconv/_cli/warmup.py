@@ -166,6 +166,7 @@ def recording(arch: str = "sm_90"):
         # an SM holds the opt-in limit and one block's reserved kilobyte (sm_80 to sm_90)
         fit = lambda device, smem, blocks: blocks * (smem + 1024) <= limit + 1024  # noqa: E731
         stack.enter_context(mock.patch.object(_forward_plan, "blocks_fit", fit))
+        stack.enter_context(mock.patch.object(_forward_plan, "multiprocessors", lambda device: 132))
         for module in (_forward_plan, _backward_plan, _update_plan):  # plans made with the count
             stack.enter_context(mock.patch.object(module, "_plans", {}))
         yield found
