@@ -567,9 +567,8 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
 @pytest.mark.parametrize(
     "shape,resident,span",
     [
-        # 2 full waves of 1280 items of 256 steps, 3 % behind 1 wave of 640 of 512: the shorter
-        # 320 items of 1024 steps: one round of 2.4 blocks an SM
-        ((8, 5120, 2048), 132 * 5, 1024),
+        # one round of at least 1.9 blocks an SM (132 SMs): the fewest items
+        ((8, 5120, 2048), 132 * 5, 1024),  # 320 items of 1024 steps: 2.4 blocks an SM
         ((1, 4096, 16384), 132 * 5, 1024),  # 256 items: 1.94 blocks an SM
         # 512 items of 1024 steps (half of each item's 8 columns empty) or of 512: the shorter
         ((2, 16384, 2048), 132 * 5, 512),
