@@ -574,7 +574,7 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
         ((2, 16384, 2048), 132 * 5, 512),
         # no span runs in one round of 1.9 blocks an SM or more: the waves' model
         ((8, 5120, 2048), 132, 256),
-        ((8, 5120, 2048), 132 * 2, 256),  # (640 items of 512 steps: 2.4 waves)
+        ((8, 5120, 2048), 132 * 2, 256),  # (320 items of 1024 steps: more than the 264 resident)
         ((1, 4096, 16384), 132 * 3 // 2, 512),  # 512 items of 512 steps in 2.6 waves
         ((2, 64, 40), 132 * 5, 48),  # rows shorter than a piece: one piece a row
         ((64, 1024, 512), 64, 256),
