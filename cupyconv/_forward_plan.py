@@ -535,7 +535,8 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
     spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
-    one_round = [s for s in spans if MMA_CL_ROUND * multiprocessors(device) <= items(s) <= resident]
+    fewest = MMA_CL_ROUND * multiprocessors(device)  # items of one round at MMA_CL_ROUND an SM
+    one_round = [s for s in spans if fewest <= items(s) <= resident]
     if one_round:  # the fewest items, the shortest of those (a unit group may have empty columns)
         span = min(one_round, key=lambda s: (items(s), s))
     else:

@@ -364,7 +364,7 @@ def resident_blocks(device: int, source: Source, name: str, threads: int, smem: 
             carveout = min(100, -(-100 * max(1, per_sm) * block_smem // sm_smem))
             if carveout > _carveout.get(kernel, 0):
                 raw.preferred_shared_memory_carveout = _carveout[kernel] = carveout
-        blocks = _resident[key] = max(1, per_sm) * attr(rt.cudaDevAttrMultiProcessorCount)
+        blocks = _resident[key] = max(1, per_sm) * multiprocessors(device)
     return blocks
 
 
