@@ -28,14 +28,13 @@ from ._launch import (
     bind_sources,
     blocks_fit,
     dtype_code,
+    even_spans,
     fast_divisor,
     mma_steps,
     multiprocessors,
     pack,
-    piece_spans,
     resident_blocks,
     shared_memory_limit,
-    waves,
 )  # fmt: skip
 
 # Launch constants shared with the kernels. Measurements behind each number:
@@ -107,13 +106,12 @@ MMA_CL_ROW_BUFFERS = (2, 1)
 # measured, on an H100"; KS 6 / 7 10-22 % faster than fwd_mma: "fwd_mma_cl in 8-warp blocks at
 # KS 2 and 6-7"), and fwd_mma's channel-contiguous form where its block does not fit the device
 # (KS 7 on sm_86 / sm_89, whose blocks take at most LEAST_SMEM_LIMIT bytes); pieces of rows of
-# MMA_CL_LONGEST steps or half, a quarter .. down to MMA_CL_SHORTEST: of the spans whose items
-# all run at once with at least MMA_CL_ROUND blocks an SM, the one of the fewest items (fewer,
-# longer pieces: benchmarks/NOTES.md, "fwd_mma_cl's pieces in one round"); where no span does,
-# the shortest whose estimated time is within MMA_CL_SLACK of the least (a wave of items counted
-# at least MMA_CL_FILL as long as a full one).
-MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST = 7, 1024, 256
-MMA_CL_ROUND, MMA_CL_FILL, MMA_CL_SLACK = 1.9, 0.8, 1.05
+# a row in 1, 2, 3 .. pieces of about equal length, from MMA_CL_LONGEST steps down to
+# MMA_CL_SHORTEST: of the spans whose items all run at once with at least MMA_CL_ROUND blocks an
+# SM, the one of the fewest items (fewer, longer pieces: benchmarks/NOTES.md, "fwd_mma_cl's pieces
+# in one round"); where no span does, the least rounds of items times their steps (a row of 2048
+# in three pieces at KS 5 to 7 on two blocks an SM: "fwd_mma_cl's equal pieces").
+MMA_CL_MAX_STEPS, MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_ROUND = 7, 1024, 256, 1.9
 CHANNEL_MAX_WIDTH = 16  # fwd_channel up to this width; wider channel-contiguous x: the others
 # fwd_split_cl: float32 channel-contiguous x from SPLIT_CL_MIN_WIDTH, past fwd_channel's widths
 # (fwd_channel_wide was as fast at width 17 on an H100 and slower beyond), items of up to
@@ -530,18 +528,17 @@ def _plan_mma_cl(x, out, width, name, device) -> Launch:
     def items(span):  # (channel groups, 8 pieces)
         return groups * -(-(batch * -(-seqlen // span)) // 8)
 
-    def time(span):  # a persistent grid's waves of items, each (span + the D before it) long
-        return (span + step * (ks - 1)) * waves(items(span), resident, MMA_CL_FILL)
+    def time(span):  # a persistent grid's rounds of items, each (span + the D before it) long
+        return -(-items(span) // resident) * (span + step * (ks - 1))
 
     resident = resident_blocks(device, MMA_CL.source, name, 32 * warps, smem)
-    spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
+    spans = even_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
     fewest = MMA_CL_ROUND * multiprocessors(device)  # items of one round at MMA_CL_ROUND an SM
     one_round = [s for s in spans if fewest <= items(s) <= resident]
     if one_round:  # the fewest items, the shortest of those (a unit group may have empty columns)
         span = min(one_round, key=lambda s: (items(s), s))
-    else:
-        least = min(map(time, spans))
-        span = min(s for s in spans if time(s) <= MMA_CL_SLACK * least)
+    else:  # the least rounds times their steps, the shorter span on a tie
+        span = min(spans, key=lambda s: (time(s), s))
     pieces = -(-seqlen // span)
     return MMA_CL.launch(
         name, min(items(span), resident, MAX_GRID), (32 * warps, 1), smem,

@@ -431,6 +431,23 @@ def piece_spans(seqlen: int, step: int, longest: int, shortest: int) -> list[int
     return spans
 
 
+def even_spans(seqlen: int, step: int, longest: int, shortest: int) -> list[int]:
+    """The spans that cut rows of ``seqlen`` into 1, 2, 3 .. pieces of about equal length (each
+    ceil(seqlen / n) rounded up to a multiple of ``step``), from ``longest`` down to
+    ``shortest``, longest first; rows shorter than ``shortest`` take one piece."""
+    spans: list[int] = []
+    n = max(1, -(-seqlen // longest))
+    while True:
+        span = -(-(-(-seqlen // n)) // step) * step
+        if span < shortest and spans:
+            return spans
+        if not spans or span < spans[-1]:
+            spans.append(span)
+        if span <= shortest:
+            return spans
+        n += 1
+
+
 def waves(items: int, resident: int, fill: float) -> float:
     """The waves of a persistent grid of ``resident`` blocks over ``items`` items of one length,
     a last partial wave counted at least ``fill`` of a full one."""

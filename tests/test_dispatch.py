@@ -572,20 +572,20 @@ def test_bfloat16_tensor_core_plans(monkeypatch, wdtype, width, name, cl_name, l
         ((1, 4096, 16384), 132 * 5, 1024),  # 256 items: 1.94 blocks an SM
         # 512 items of 1024 steps (half of each item's 8 columns empty) or of 512: the shorter
         ((2, 16384, 2048), 132 * 5, 512),
-        # no span runs in one round of 1.9 blocks an SM or more: the waves' model
-        ((8, 5120, 2048), 132, 256),
-        ((8, 5120, 2048), 132 * 2, 256),  # (320 items of 1024 steps: more than the 264 resident)
-        ((1, 4096, 16384), 132 * 3 // 2, 512),  # 512 items of 512 steps in 2.6 waves
+        # no span runs in one round of 1.9 blocks an SM or more: the least rounds x (span + 16)
+        ((8, 5120, 2048), 132, 512),  # 5 rounds of 528 (688: 4 of 704; 256: 10 of 272)
+        ((8, 5120, 2048), 132 * 2, 256),  # 5 rounds of 272 (688: 2 of 704; 1024: 2 of 1040)
+        ((1, 4096, 16384), 132 * 3 // 2, 688),  # a row in 24 pieces: 384 items in 2 rounds
         ((2, 64, 40), 132 * 5, 48),  # rows shorter than a piece: one piece a row
-        ((64, 1024, 512), 64, 256),
+        ((64, 1024, 512), 64, 512),  # 4 rounds of 528 (256: 8 of 272)
     ],
 )  # fmt: skip
 def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
-    """fwd_mma_cl cuts rows into pieces of MMA_CL_LONGEST steps or half, a quarter .. down to
-    MMA_CL_SHORTEST: of those whose items (32 channels, 8 pieces) run in one round of at least
-    MMA_CL_ROUND blocks an SM (132 SMs), the one of the fewest items (the shortest of those), else
-    the shortest whose waves of items (a wave counted at least MMA_CL_FILL full) take at most
-    MMA_CL_SLACK times the least; a persistent grid of at most the resident blocks."""
+    """fwd_mma_cl cuts rows into 1, 2, 3 .. pieces of about equal length, MMA_CL_LONGEST steps
+    down to MMA_CL_SHORTEST: of those whose items (32 channels, 8 pieces) run in one round of at
+    least MMA_CL_ROUND blocks an SM (132 SMs), the one of the fewest items (the shortest of
+    those), else the least rounds of items times their steps and D (the shorter on a tie); a
+    persistent grid of at most the resident blocks."""
     plan, _ = mma_plan(monkeypatch, shape, "cl", "bfloat16", "bfloat16", 16, resident)
     fields = dict(zip(_forward_plan.MMA_CL.plan_fields, plan.plan_fields))
     b, c, length = shape
@@ -595,6 +595,23 @@ def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
     assert plan.grid == min(items, resident)
     assert fields["group_divisor"] == _launch.fast_divisor(-(-c // 32))
     assert fields["piece_divisor"] == _launch.fast_divisor(fields["pieces"])
+
+
+@pytest.mark.parametrize(
+    "seqlen,spans",
+    [
+        (2048, [1024, 688, 512, 416, 352, 304, 256]),
+        (5000, [1008, 848, 720, 640, 560, 512, 464, 432, 400, 368, 336, 320, 304, 288, 272, 256]),
+        (1000, [1008, 512, 336, 256]),  # 1000 in one piece: 1008 steps
+        (512, [512, 256]),
+        (300, [304]),  # 150 in each of two pieces: shorter than 256
+        (40, [48]),
+    ],
+)  # fmt: skip
+def test_even_spans(seqlen, spans):
+    """A row in 1, 2, 3 .. pieces: ceil(seqlen / n) rounded up to 16 steps, from 1024 down to
+    256 (each span once), one span for rows shorter than that."""
+    assert _launch.even_spans(seqlen, 16, 1024, 256) == spans
 
 
 def test_fast_divisor_is_exact():
