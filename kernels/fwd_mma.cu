@@ -170,7 +170,7 @@ __device__ __forceinline__ bool compute_row(T* row, const void* split, int row_l
             sums += (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);
             if constexpr (SILU) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) acc[j][r] = silu(acc[j][r]);
+                for (int r = 0; r < 4; ++r) acc[j][r] = silu_out<T>(acc[j][r]);
             }
             if constexpr (F32) {
                 res[64 * j] = make_float2(acc[j][0], acc[j][2]);

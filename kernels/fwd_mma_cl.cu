@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(32 * fwd_mma_cl_warps(KS), fwd_mma_cl_blocks(K
                         for (int r = 0; r < 4; ++r) {
                             sums += acc[0][r] + acc[1][r];
                             if constexpr (SILU) {
-                                acc[0][r] = silu(acc[0][r]);
-                                acc[1][r] = silu(acc[1][r]);
+                                acc[0][r] = silu_out<T>(acc[0][r]);
+                                acc[1][r] = silu_out<T>(acc[1][r]);
                             }
                             packed[r][p2] = pack2<T>(acc[0][r], acc[1][r]);
                         }

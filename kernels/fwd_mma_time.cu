@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(NV) / WARPS)
                     sums += (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);
                     if constexpr (SILU) {
                         #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[i][r] = silu(acc[i][r]);
+                        for (int r = 0; r < 4; ++r) acc[i][r] = silu_out<T>(acc[i][r]);
                     }
                     // acc[0], acc[2]: outputs 32 tg + 2 g, + 1 of the group; acc[1], acc[3]: 16 on
                     const int o = 128 * (j0 + i) + 32 * tg + 2 * g;

@@ -96,6 +96,12 @@ __device__ __forceinline__ float rcp_approx(float a) {
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
     return r;
 }
+// tanh(a), approximate (MUFU.TANH; relative error about 2^-11).
+__device__ __forceinline__ float tanh_approx(float a) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(a));
+    return t;
+}
 // a b + 0 (a zero product is +0), subnormals flushed.
 __device__ __forceinline__ float mul_plus_zero(float a, float b) {
     float z;
