@@ -149,9 +149,10 @@ __device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.0f + __e
 __device__ __forceinline__ double silu(double z) { return z / (1.0 + exp(-z)); }
 
 // SiLU of a float32 sum for an output of type T. 16-bit outputs: z sigmoid(z) = h + h tanh(h)
-// with h = z / 2, one MUFU.TANH and two FP instructions (silu: two MUFUs and three); its error
-// (about 2^-11 of h) is under a bfloat16 output's rounding and within float16's tolerance.
-// z = -inf gives NaN, as silu does. float32 outputs: silu.
+// with h = z / 2, one MUFU.TANH and two FP instructions (silu: two MUFUs and three); at most
+// 1.1e-5 from the exact SiLU up to 64 in magnitude (benchmarks/NOTES.md, "SiLU through
+// tanh.approx"), so a 16-bit output is within one rounding of the exact one. z = -inf gives
+// NaN, as silu does. float32 outputs: silu.
 template <typename T>
 __device__ __forceinline__ float silu_out(float z) {
     if constexpr (sizeof(T) == 2) {
