@@ -438,7 +438,8 @@ def even_spans(seqlen: int, step: int, longest: int, shortest: int) -> list[int]
     spans: list[int] = []
     n = max(1, -(-seqlen // longest))
     while True:
-        span = -(-(-(-seqlen // n)) // step) * step
+        piece = -(-seqlen // n)
+        span = -(-piece // step) * step
         if span < shortest and spans:
             return spans
         if not spans or span < spans[-1]:
