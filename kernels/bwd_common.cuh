@@ -103,7 +103,7 @@ __device__ __forceinline__ float silu_grad_tanh(float h, float k) {
 }
 
 // SiLU's derivative where x is of type T: for 16-bit x through tanh.approx (one MUFU and four FP
-// instructions; at most 9e-6 from the exact derivative over every 7th float32 up to 128 in
+// instructions; at most 9e-6 from the exact derivative over every 7th float32 up to 64 in
 // magnitude, benchmarks/NOTES.md, "SiLU through tanh.approx"), else silu_grad.
 template <typename T, typename A>
 __device__ __forceinline__ A silu_grad_of(A z) {
