@@ -33,7 +33,7 @@
 // gd (dout at step u of a round of K) times SiLU's derivative at the step's recomputed
 // pre-activation: the taps over the x ring's slots (u + k) mod K, where same(k) (with seq_idx:
 // tap k's position in the step's sequence).
-template <typename T, int K, int V, typename A, typename Same>
+template <int K, int V, typename A, typename Same>
 __device__ __forceinline__ void times_silu_grad(A (&gd)[V], const A (&w)[K][V], const A (&bias_v)[V],
                                                 const A (&xw)[K][V], int u, Same same) {
     #pragma unroll
@@ -42,7 +42,7 @@ __device__ __forceinline__ void times_silu_grad(A (&gd)[V], const A (&w)[K][V], 
         #pragma unroll
         for (int k = 0; k < K; ++k)
             if (same(k)) z += w[k][v] * xw[(u + k) % K][v];
-        gd[v] *= silu_grad_scaled<T>(z);
+        gd[v] *= silu_grad_scaled(z);
     }
 }
 
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), BYTES 
                     A gd[V];
                     widen<T, A, V>(drow.e, gd);
                     auto same = [&](int k) { return !SEQ || ids[(u + k) % K] == ids[own]; };
-                    if (CHECKED ? silu_act : SILU) times_silu_grad<T>(gd, w, bias_v, xw, u, same);
+                    if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, same);
                     const bool live = !CHECKED || pos < seqlen;
                     #pragma unroll
                     for (int v = 0; v < V; ++v) {
@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(64 * PAIRS, CHANNEL_PAIR_WARPS_PER_SM / (2 * P
                     widen<T, A, V>(xrow.e, xw[own]);
                     A gd[V];
                     widen<T, A, V>(drow.e, gd);
-                    if (CHECKED ? silu_act : SILU) times_silu_grad<T>(gd, w, bias_v, xw, u, [](int) { return true; });
+                    if (CHECKED ? silu_act : SILU) times_silu_grad(gd, w, bias_v, xw, u, [](int) { return true; });
                     const bool live = !CHECKED || pos < seqlen;
                     A dz[V];
                     #pragma unroll

@@ -93,46 +93,19 @@ __device__ __forceinline__ double silu_grad(double z) {
     return s * (1.0 + z * (1.0 - s));
 }
 
-// k (1 + t) (1 + h (1 - t)) with t = tanh(h) (tanh.approx): SiLU's derivative at z = 2 h times
-// 2 k, since sigmoid(z) = (1 + t) / 2 and 1 - sigmoid(z) = (1 - t) / 2, so that sigmoid(z) (1 +
-// z (1 - sigmoid(z))) = (1 + t) / 2 (1 + h (1 - t)). One MUFU and three FMAs.
-__device__ __forceinline__ float silu_grad_tanh(float h, float k) {
-    const float t = tanh_approx(h);
-    const float s = fmaf(k, t, k);
-    return fmaf(s, fmaf(-h, t, h), s);
-}
-
-// SiLU's derivative where x is of type T: for 16-bit x through tanh.approx (one MUFU and four FP
-// instructions; at most 9e-6 from the exact derivative over every 7th float32 up to 64 in
-// magnitude, benchmarks/NOTES.md, "SiLU through tanh.approx"), else silu_grad.
-template <typename T, typename A>
-__device__ __forceinline__ A silu_grad_of(A z) {
-    if constexpr (sizeof(T) == 2 && same_type<A, float>) return silu_grad_tanh(0.5f * z, 0.5f);
-    else return silu_grad(z);
-}
-
 // The same in the frame of bwd_time and bwd_channel with SiLU: their taps and bias come
 // multiplied by act_scale (common.cuh; float: -log2(e)), so the pre-activation they sum is
 // z' = scale z, ready for ex2; their dz is dz' = dz / scale (so dx = sum of scaled taps x dz'),
 // and their dweight / dbias sums are multiplied by the scale once at the end.
-// silu_grad_scaled<T>(z') = silu_grad(z) / scale. 16-bit x: silu_grad_tanh with h = z / 2 = c z'
-// and k = 1 / (2 scale) = c, c = -ln(2) / 2 (5 instructions an element, one MUFU); float32 x:
-// exp2 and reciprocal, 6 instructions, as many as silu_grad's with its exp scale since
-// silu_grad ends in two FMAs (the frame saved one before); double: silu_grad.
-template <typename T, typename A>
-__device__ __forceinline__ A silu_grad_scaled(A zs) {
-    if constexpr (same_type<A, double>) {
-        return silu_grad(zs);
-    } else if constexpr (sizeof(T) == 2) {
-        constexpr float c = -0.34657359027997264f;  // -ln(2) / 2
-        return silu_grad_tanh(c * zs, c);
-    } else {
-        constexpr float ln2 = 0.6931471805599453f, ln2_sq = 0.4804530139182014f;
-        const float r = rcp_approx(1.0f + ex2_approx(zs));
-        // r (1 + z (1 - r)) / scale = r (z' (1 - r) ln2^2 - ln2)
-        return r * fmaf(zs, fmaf(r, -ln2_sq, ln2_sq), -ln2);
-    }
+// silu_grad_scaled(z') = silu_grad(z) / scale: 6 instructions an element, as many as
+// silu_grad's with its exp scale since silu_grad ends in two FMAs (the frame saved one before).
+__device__ __forceinline__ float silu_grad_scaled(float zs) {
+    constexpr float ln2 = 0.6931471805599453f, ln2_sq = 0.4804530139182014f;
+    const float r = rcp_approx(1.0f + ex2_approx(zs));
+    // r (1 + z (1 - r)) / scale = r (z' (1 - r) ln2^2 - ln2)
+    return r * fmaf(zs, fmaf(r, -ln2_sq, ln2_sq), -ln2);
 }
+__device__ __forceinline__ double silu_grad_scaled(double z) { return silu_grad(z); }
 
 // dz at (b, c, t), 0 <= t < L, computed from scratch: any strides, any width.
 template <typename A, typename T, typename P>

@@ -157,8 +157,8 @@ __device__ __forceinline__ void dz_blocks(int blk, const uint4* zf, const bf16* 
             const unsigned d2 = reinterpret_cast<const unsigned*>(dzh)[q >> 1];  // dout
             float g0 = low_half(d2), g1 = high_half(d2);
             if constexpr (SILU) {
-                g0 *= silu_grad_of<bf16>(acc[j][h]);
-                g1 *= silu_grad_of<bf16>(acc[j][2 + h]);
+                g0 *= silu_grad(acc[j][h]);
+                g1 *= silu_grad(acc[j][2 + h]);
             }
             if constexpr (SPAN) item_db += g0 + g1;
             else past += g0 + g1;

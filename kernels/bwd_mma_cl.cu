@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     for (int r = 0; r < 4; ++r) {
                         const unsigned word = cl < 4 ? (cl < 2 ? dv[r].x : dv[r].y) : (cl < 6 ? dv[r].z : dv[r].w);
                         const float d = cl & 1 ? high_half(word) : low_half(word);
-                        dz[r] = p.silu_act ? d * silu_grad_of<T>(acc[r]) : d;
+                        dz[r] = p.silu_act ? d * silu_grad(acc[r]) : d;
                         sums += acc[r] + dz[r];
                         db[cl] += t0 + place(r) < len ? dz[r] : 0.f;
                     }

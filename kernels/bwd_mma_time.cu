@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(32 * WARPS, mma_time_warps_per_sm(KS) / WARPS)
                 const unsigned dd = H ? dv[r].y : dv[r].x;
                 float g0 = low_half(dd), g1 = high_half(dd);
                 if constexpr (SILU) {
-                    g0 *= silu_grad_of<T>(z[H][2 * r]);
-                    g1 *= silu_grad_of<T>(z[H][2 * r + 1]);
+                    g0 *= silu_grad(z[H][2 * r]);
+                    g1 *= silu_grad(z[H][2 * r + 1]);
                 } else {
                     sum += z[H][2 * r] + z[H][2 * r + 1];
                 }

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                                     z += w[k] * xw[OFF + o + k];
                                 }
                             }
-                            go[o] *= silu_grad_scaled<T>(z);
+                            go[o] *= silu_grad_scaled(z);
                         }
                     }
                     #pragma unroll
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(32 * WARPS, bwd_warps_per_sm(sizeof(T), 1) / W
                         for (int k = 0; k < K; ++k)
                             if (!SEQ || segment_id(seq_idx, p, b, t - (K - 1) + k) == sid)
                                 z += w[k] * A(to_acc(xe[HE + span + lane - (K - 1) + k]));
-                        gm *= silu_grad_scaled<T>(z);
+                        gm *= silu_grad_scaled(z);
                     }
                     tail = sid < 0 ? A(0) : gm;
                 }

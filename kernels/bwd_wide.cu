@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(WIDE_THREADS, sizeof(T) == 8 ? 1 : WIDE_BLOCKS
                 for (int j = 0; j < 16; ++j) {
                     const int e = 16 * g + j;
                     const A go = drow[wide_slot(e)];
-                    const A d = t0 + e >= seqlen ? A(0) : p.silu_act ? go * silu_grad_of<T>(z[j]) : go;
+                    const A d = t0 + e >= seqlen ? A(0) : p.silu_act ? go * silu_grad(z[j]) : go;
                     drow[wide_slot(e)] = d;
                     if (!carry_only) db += d;
                 }
