@@ -442,11 +442,10 @@ def even_spans(seqlen: int, step: int, longest: int, shortest: int) -> list[int]
         span = -(-piece // step) * step
         if span < shortest and spans:
             return spans
-        if not spans or span < spans[-1]:
-            spans.append(span)
+        spans.append(span)
         if span <= shortest:
             return spans
-        n += 1
+        n = max(n + 1, -(-seqlen // (span - step)))  # the fewest pieces of a shorter span
 
 
 def waves(items: int, resident: int, fill: float) -> float:

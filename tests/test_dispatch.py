@@ -606,6 +606,7 @@ def test_channel_last_tensor_core_pieces(monkeypatch, shape, resident, span):
         (512, [512, 256]),
         (300, [304]),  # 150 in each of two pieces: shorter than 256
         (40, [48]),
+        (2**31 - 1, list(range(1024, 255, -16))),  # every span, found without 2**23 divisions
     ],
 )  # fmt: skip
 def test_even_spans(seqlen, spans):
