@@ -411,9 +411,10 @@ def test_tensor_core_time_rows_on_8_byte_boundaries(monkeypatch, dtype, width):
 @pytest.mark.parametrize("layout", ("cl", "cl_slice", "misaligned_cl"))
 def test_channel_last_wide_filters(dtype, wdtype, layout):
     """Channel-last widths above 8 without seq_idx (fwd_channel up to 16 where the rows split
-    into its lane vectors; fwd_split_cl from 17 for float32 x, fwd_mma from 16 for 16-bit x and
-    weights, fwd_channel_wide for the others): tiles past the last channel and time step, states
-    before the row, with and without bias and activation."""
+    into its lane vectors; for 16-bit x fwd_mma_cl from 10 with weights of x's dtype (fwd_mma
+    from 98), bfloat16 x with float32 weights fwd_mma's split form from 16; fwd_split_cl from 17
+    for float32 x; fwd_channel_wide for the others): tiles past the last channel and time step,
+    states before the row, with and without bias and activation."""
     widths = (9, 16, 17, 29, 33, 64, 100, 256)
     cases = itertools.product(widths, ((2, 33, 300), (1, 70, 1), (1, 5, 600)))
     for i, (width, (b, c, length)) in enumerate(cases):
