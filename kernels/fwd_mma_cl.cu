@@ -57,7 +57,7 @@ __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_o
 // Register budgets, 4 warps a block: at KS 2 and 3 that of 4 blocks an SM (128 registers, no
 // spills: KS 2 uses 110; the plan's pieces run in one round of about 2.4 blocks an SM on the long
 // rows, and the budget of 6, 80 registers, spilled into the copy loop, whose reloads were the most
-// stalled instructions: 4-7 % slower; at 96 KS 3 spills and runs slower), at KS 4 that of 3, the
+// stalled instructions: 3-7 % slower; at 96 KS 3 spills and runs slower), at KS 4 that of 3, the
 // blocks the shared memory holds there: benchmarks/NOTES.md, "fwd_mma_cl's register budget at
 // KS 2", "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async". 8 warps a block: that of 2
 // blocks (128 registers, no spills; 80, for 3 blocks, spill in the step loop at KS 5), the blocks
