@@ -54,14 +54,13 @@ __device__ __noinline__ void own_taps_cl(Vec<T>& v, const T* x, const void* weig
 __host__ __device__ constexpr bool fwd_mma_cl_one_barrier(int ks) { return ks >= MMA_CL_MORE_WARPS; }
 __host__ __device__ constexpr int fwd_mma_cl_warps(int ks) { return fwd_mma_cl_one_barrier(ks) ? MMA_CL_WARPS : MMA_CL_FEW_WARPS; }
 
-// Register budgets, 4 warps a block: at KS 2 and 3 that of 4 blocks an SM (128 registers, no
-// spills: KS 2 uses 110; the plan's pieces run in one round of about 2.4 blocks an SM on the long
-// rows, and the budget of 6, 80 registers, spilled into the copy loop, whose reloads were the most
-// stalled instructions: 3-7 % slower; at 96 KS 3 spills and runs slower), at KS 4 that of 3, the
-// blocks the shared memory holds there: benchmarks/NOTES.md, "fwd_mma_cl's register budget at
-// KS 2", "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async". 8 warps a block: that of 2
-// blocks (128 registers, no spills; 80, for 3 blocks, spill in the step loop at KS 5), the blocks
-// the shared memory holds from KS 5.
+// Register budgets, 4 warps a block: at KS 2 and 3 that of 4 blocks an SM (128 registers; KS 2
+// takes 110, no spills; the plan's one-round pieces run about 2.4 blocks an SM, and the budget of
+// 6, 80 registers, spilled in the copy loop: 3-7 % slower; KS 3 at 96 spills and runs slower), at
+// KS 4 that of 3, the blocks the shared memory holds there (benchmarks/NOTES.md, "fwd_mma_cl's
+// register budget at KS 2", "fwd_mma_cl", "bwd_mma_time's chunks staged by cp.async"). 8 warps a
+// block: that of 2 blocks (128 registers, no spills; 80, for 3 blocks, spill in the step loop at
+// KS 5), the blocks the shared memory holds from KS 5.
 __host__ __device__ constexpr int fwd_mma_cl_blocks(int ks) {
     return fwd_mma_cl_one_barrier(ks) ? 2 : ks <= 3 ? 4 : 3;
 }
