@@ -37,9 +37,13 @@
 //
 // From BWD_CL_DX_FROM k-steps on (one block an SM, so that four warps would leave each scheduler
 // one), the block has four more warps, w + 4 computing step 3 for warp w's channels (its tap
-// table, its dz rings) while warp w computes step 4: the moves end at a barrier of warps 0-3 (1),
-// a barrier of all follows step 2, the dx warps' own barrier (2) precedes their stores, and a
-// barrier of all ends the step (before the next one writes the rings and the staging buffer).
+// table, its dz rings) while warp w computes step 4, and step 2 split between them (warp w z and
+// dz of its first four channels, w + 4 of the last four). The moves end at a barrier of all,
+// after which the first warps copy in the next step's x; a barrier of all follows step 2, after
+// which they copy in the next step's dout; the first warps' own barrier (1) ends their step (the
+// next moves overwrite the x dweight read), the dx warps' own (2) precedes their stores. At an
+// item's end each dx warp hands its channels' dbias sums and whether its sums were finite to its
+// first warp through the dout buffer.
 // The MMAs of z (even and odd k-steps), of dx (dz's halves, up to LF 1) and of dweight (two
 // channels at a time, up to LF 1) are kept in two independent chains each.
 //
@@ -220,7 +224,9 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
             }
         };
 
-        float dw[8][LF][4], db[8], sums = 0.f;  // dweight's C_f, dbias, the sum of z and dz
+        // dweight's C_f; dbias (db[h]: channel zc + h of the z below; with DXW the first warps'
+        // db[4 ..] come from the dx warps at the item's end); the sum of z and dz
+        float dw[8][LF][4], db[8], sums = 0.f;
         #pragma unroll
         for (int cl = 0; cl < 8; ++cl) {
             db[cl] = 0.f;
@@ -230,11 +236,12 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                 for (int r = 0; r < 4; ++r) dw[cl][f][r] = 0.f;
         }
 
-        // Two groups committed a step: x of the next step, then dout of the next step (empty
-        // where there is none). With DXW a step is: the first warps' moves (their barrier), z
-        // and dz; a barrier of all; the first warps' dweight while the dx warps compute dx and
-        // store it (their barrier between); a barrier of all, after which the rings and the
-        // staging buffer may be written again.
+        // Two groups committed a step: x of the next step (at the step's start; with DXW once
+        // the moves are done, since the dx warps write dx through the other buffer until then),
+        // then dout of the next step (empty where there is none). With DXW a step is: the first
+        // warps' moves; a barrier of all; z and dz; a barrier of all; the first warps' dweight
+        // (their barrier after it) while the dx warps compute dx and store it (their barrier
+        // between).
         if (!dxw) {
             copy_x(0);
             cp_async_commit();
@@ -244,9 +251,13 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
         for (int a = 0; a < n_copies; ++a) {
             const int buf = a & 1, sbase = (STEP * a) % RING;
             if (!dxw) {
-                if (a + 1 < n_copies) copy_x(a + 1);
-                cp_async_commit();
-                cp_async_wait<1>();  // x and dout of this step have landed
+                if constexpr (DXW) {
+                    cp_async_wait<0>();  // x and dout of this step have landed
+                } else {
+                    if (a + 1 < n_copies) copy_x(a + 1);
+                    cp_async_commit();
+                    cp_async_wait<1>();  // x and dout of this step have landed
+                }
                 __syncwarp();
 
                 // This warp's positions 32 warp + 8 r + j into the rings: matrix m4 of ldmatrix (lanes
@@ -269,8 +280,13 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                         for (int m = 0; m < 4; ++m) prev[m] = w[m];
                     }
                 }
-                if constexpr (DXW) named_barrier(1, 32 * BWD_CL_WARPS);  // the rings hold the step's positions
-                else __syncthreads();
+            }
+            __syncthreads();  // the rings hold the step's positions
+            if (!dxw) {
+                if constexpr (DXW) {
+                    if (a + 1 < n_copies) copy_x(a + 1);
+                    cp_async_commit();
+                }
                 {  // the odd ring's positions t0 + 32 q (q < 4) of this warp's channels: x[t0 + 32 q - 1]
                     const int cl = lane >> 2, q = lane & 3;
                     const unsigned short v = *reinterpret_cast<const unsigned short*>(
@@ -278,7 +294,12 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     *reinterpret_cast<unsigned short*>(ring(1, 8 * warp + cl) + slot_bytes(wrap(sbase + 32 * q))) = v;
                 }
                 __syncwarp();
+                if (a < WARM) {  // a warm-up step: no z
+                    if (a + 1 >= WARM && a + 1 < n_copies) copy_dout(a + 1);
+                    cp_async_commit();
+                }
             }
+            if (a < WARM) continue;
 
             const int t0 = STEP * (a - WARM);
             // z and dz at the step's positions, place r of lane (g, tg) position i(r) = 32 tg + 16 (r
@@ -309,15 +330,23 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     }
                 }
             };
-            if (!dxw && a >= WARM) {
-                uint4 dv[4];  // dout of the warp's 8 channels at the lane's places (pair q: word q)
+            // With DXW each warp computes z and dz of NZ = 4 of its group's channels: the first
+            // warps channels 0-3, the dx warps 4-7 (zc on); channel cl = zc + h at h < NZ.
+            constexpr int NZ = DXW ? 4 : 8;
+            const int zc = dxw ? 4 : 0;
+            {
+                uint4 dv[4];  // dout of the group's 8 channels at the lane's places (pair q: word q)
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) dv[r] = *reinterpret_cast<const uint4*>(dslot(place(r), warp));
+                for (int r = 0; r < 4; ++r) {
+                    dv[r] = *reinterpret_cast<const uint4*>(dslot(place(r), warp));
+                    if (dxw) dv[r].x = dv[r].z, dv[r].y = dv[r].w;  // (channels 4-7 first)
+                }
                 // dz's rings: lane 8 q + j stores row j of matrix q (high, high + 8, low, low + 8):
                 // positions t0 + 16 j + 8 (q & 1) .. of ring 2 + q / 2.
-                unsigned char* const dz_row = ring(2 + (lane >> 4), 8 * warp) + slot_bytes(wrap(sbase + 16 * j8 + 8 * (m4 & 1)));
+                unsigned char* const dz_row = ring(2 + (lane >> 4), 8 * warp + zc) + slot_bytes(wrap(sbase + 16 * j8 + 8 * (m4 & 1)));
                 #pragma unroll
-                for (int cl = 0; cl < 8; ++cl) {
+                for (int h = 0; h < NZ; ++h) {
+                    const int cl = zc + h;
                     unsigned bf[KS + 1][2];
                     b_fragments(bf, ring(0, 8 * warp + cl));
                     float acc[4], odd[4];  // the even and the odd k-steps: two MMA chains
@@ -334,25 +363,25 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     float dz[4];
                     #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        const unsigned word = cl < 4 ? (cl < 2 ? dv[r].x : dv[r].y) : (cl < 6 ? dv[r].z : dv[r].w);
-                        const float d = cl & 1 ? high_half(word) : low_half(word);
+                        const unsigned word = h < 4 ? (h < 2 ? dv[r].x : dv[r].y) : (h < 6 ? dv[r].z : dv[r].w);
+                        const float d = h & 1 ? high_half(word) : low_half(word);
                         dz[r] = p.silu_act ? d * silu_grad(acc[r]) : d;
                         sums += acc[r] + dz[r];
-                        db[cl] += t0 + place(r) < len ? dz[r] : 0.f;
+                        db[h] += t0 + place(r) < len ? dz[r] : 0.f;
                     }
                     unsigned parts[4];  // the high parts of dz 0, 1 and 2, 3, then their low parts
                     split_pair(dz[0], dz[1], parts[0], parts[2]);
                     split_pair(dz[2], dz[3], parts[1], parts[3]);
-                    stmatrix_x4_trans(parts, dz_row + cl * RB);
+                    stmatrix_x4_trans(parts, dz_row + h * RB);
                 }
             }
+            // This step's dout is read, its dz in the rings (with DXW: every warp's).
+            if constexpr (DXW) __syncthreads();
+            else __syncwarp();
             if (!dxw) {
-                __syncwarp();  // this step's dout is read, its dz in the rings
-                if (a + 1 >= WARM && a + 1 < n_copies) copy_dout(a + 1);
+                if (a + 1 < n_copies) copy_dout(a + 1);
                 cp_async_commit();
             }
-            if (a < WARM) continue;
-            if constexpr (DXW) __syncthreads();  // the step's dz is in the rings
 
             // dx at positions t0 - D + place(r): packed by channel pairs, a 16-byte slot a place.
             if (!DXW || dxw) {
@@ -444,6 +473,7 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
             }
             if constexpr (!DXW) __syncthreads();  // dx is in the staging buffer
             else if (dxw) named_barrier(2, 32 * BWD_CL_WARPS);
+            else named_barrier(1, 32 * BWD_CL_WARPS);  // dweight's x is read (the next moves overwrite it)
 
             // dx out: this thread's positions t0 - D + 32 warp + 8 r + j8, piece m4, those in the unit.
             if (!DXW || dxw) {
@@ -459,14 +489,30 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                             *reinterpret_cast<const uint4*>(xslot(buf, 32 * warp + 8 * r + j8, m4));
                 }
             }
-            if constexpr (DXW) __syncthreads();  // the dx warps are done with the step's dz and staging buffer
         }
         cp_async_wait<0>();  // (the last, empty groups)
-        __syncthreads();  // every dx of the item is out
+        if (dxw) {  // dbias of channels 4-7 and whether the sums were finite, to the first warp
+            #pragma unroll
+            for (int h = 0; h < 4; ++h)
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) db[h] += __shfl_xor_sync(0xffffffffu, db[h], o);
+            const bool finite = !__any_sync(0xffffffffu, !isfinite(sums));
+            if (lane == 0) {
+                *reinterpret_cast<float4*>(dslot(0, warp)) = make_float4(db[0], db[1], db[2], db[3]);
+                *reinterpret_cast<float*>(dslot(1, warp)) = finite ? 0.f : __int_as_float(0x7fc00000);
+            }
+        }
+        __syncthreads();  // every dx of the item is out (and the dx warps' sums handed over)
 
         // The item's sums, part U: C_f's element r has the lag 128 f + place(r). (The dx warps
         // hold none.)
         if (dxw) continue;
+        if constexpr (DXW) {  // (lane 0 holds channels 4-7's reduced sums, the others zeros)
+            const float4 handed = *reinterpret_cast<const float4*>(dslot(0, warp));
+            db[4] = lane == 0 ? handed.x : 0.f, db[5] = lane == 0 ? handed.y : 0.f;
+            db[6] = lane == 0 ? handed.z : 0.f, db[7] = lane == 0 ? handed.w : 0.f;
+            sums += *reinterpret_cast<const float*>(dslot(1, warp));
+        }
         if (__any_sync(0xffffffffu, !isfinite(sums))) {
             #pragma unroll 1
             for (int cl = 0; cl < 8; ++cl)
