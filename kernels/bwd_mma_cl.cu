@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                 }
             };
             // With DXW each warp computes z and dz of NZ = 4 of its group's channels: the first
-            // warps channels 0-3, the dx warps 4-7 (zc on); channel cl = zc + h at h < NZ.
+            // warps channels 0-3, the dx warps 4-7 (zc = 4); channel cl = zc + h at h < NZ.
             constexpr int NZ = DXW ? 4 : 8;
             const int zc = dxw ? 4 : 0;
             {
