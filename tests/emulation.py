@@ -85,14 +85,15 @@ _lock = threading.Lock()
 
 
 def library(source: _compile.Source, name: str, arch: int) -> ctypes.CDLL:
-    """Kernel instance ``name`` of ``source`` built for the CPU (cached on disk by its text)."""
+    """Kernel instance ``name`` of ``source`` built for the CPU (cached on disk by its text and
+    the emulator's headers)."""
     return text_library(emulated_text(source), name, arch)
 
 
 def text_library(program: str, name: str, arch: int) -> ctypes.CDLL:
     """Kernel instance ``name`` of the program text ``program`` (the emulator's headers on its
     include path, its dynamic shared memory the emulator's arena) built for the CPU, cached on
-    disk by its text."""
+    disk by its text and the emulator's headers."""
     key = (program, name, arch)
     with _lock:
         lib = _libraries.get(key)
@@ -100,7 +101,8 @@ def text_library(program: str, name: str, arch: int) -> ctypes.CDLL:
             text = _DYNAMIC.sub(r"unsigned char* \1 = cpc_dynamic_shared();", program)
             text += _entry(name)
             flags = ["-std=c++17", "-O1", "-shared", "-fPIC", f"-DCPC_ARCH={arch}", "-w"]
-            digest = hashlib.sha256((text + " ".join(flags) + CXX).encode()).hexdigest()[:24]
+            key_text = text + " ".join(flags) + CXX + _headers()
+            digest = hashlib.sha256(key_text.encode()).hexdigest()[:24]
             so = CACHE / f"{digest}.so"
             if not so.exists():
                 CACHE.mkdir(parents=True, exist_ok=True)
@@ -118,6 +120,12 @@ def text_library(program: str, name: str, arch: int) -> ctypes.CDLL:
             lib = _libraries[key] = ctypes.CDLL(str(so))
             lib.cpc_run.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def _headers() -> str:
+    """The emulator's headers, part of each built library's cache key."""
+    return "".join(p.read_text() for p in sorted(HERE.iterdir()) if p.is_file())
 
 
 def _entry(name: str) -> str:

@@ -293,6 +293,43 @@ def test_reads_outside_every_array_fail():
             cupyconv.causal_conv1d_bwd(x, w, None, dout)
 
 
+# One thread of warp 0 copies 16 bytes into shared memory by cp.async and waits for them after
+# two barriers; between those, a thread of warp 1 stores into the destination if `store`.
+IN_FLIGHT = """
+#include "ptx.cuh"
+__global__ void store_in_flight(const float* src, float* out, long long store) {
+    __shared__ __align__(16) float dst[4];
+    if (threadIdx.x == 0) {
+        cp_async<16>(dst, src, 16);
+        cp_async_commit();
+    }
+    __syncthreads();
+    if (threadIdx.x == 32 && store) dst[1] = 2.f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cp_async_wait<0>();
+        for (int i = 0; i < 4; ++i) out[i] = dst[i];
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("store", (0, 1))
+def test_stores_into_a_copy_in_flight_fail(store):
+    """A cp.async may land any time before its wait: another warp's store into its destination
+    meanwhile fails the launch, and without it the copy lands at the wait."""
+    import emulation
+
+    src, out = host(np.arange(1.0, 5.0), np.float32), host(np.zeros(4), np.float32)
+    args = [src, out, np.int64(store)]
+    if store:
+        with pytest.raises(emulation.EmulationError, match="written while the copy was in flight"):
+            run_kernel(IN_FLIGHT, "store_in_flight", args, 1, (64, 1), 0)
+    else:
+        run_kernel(IN_FLIGHT, "store_in_flight", args, 1, (64, 1), 0)
+        assert out.data.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.parametrize("case", BACKWARD, ids=_id)
 def test_backward(case):
     shape, width, layout, dtype, wdtype, features, arch = case

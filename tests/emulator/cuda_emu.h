@@ -6,7 +6,9 @@
 // every thread it names has reached it (a thread blocked on one that can never complete is
 // reported as a deadlock). Warp-wide operations (shuffles, votes, ldmatrix, stmatrix, movmatrix,
 // mma.sync) are computed from all their lanes' operands at once, as the hardware does; cp.async
-// lands at the wait_group that covers it (its destination holds NaN bytes until then). Shared memory is filled with NaN bytes (0xff)
+// lands at the wait_group that covers it (its destination holds NaN bytes until then, and a store
+// into it meanwhile fails the launch: on the GPU the copy may land before or after that store).
+// Shared memory is filled with NaN bytes (0xff)
 // before each block, so that a value read before it is written shows in the results, and the
 // bytes past the launch's dynamic shared memory are checked to be untouched after each block.
 // Inline PTX lives in kernels/ptx.cuh, which the build replaces with tests/emulator/ptx.cuh.

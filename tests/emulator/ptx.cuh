@@ -43,12 +43,16 @@ inline void cp_async_commit() {
     for (auto& c : t.copies)
         if (!c.group) c.group = t.committed;
 }
-// Lands every copy of the groups but the N most recent.
+// Lands every copy of the groups but the N most recent. A copy may land at any time between
+// its issue and its wait, so a store into its destination meanwhile (any thread's, another
+// copy's data included) races with it: its bytes must still be the NaN bytes of its issue.
 template <int N> inline void cp_async_wait() {
     cpc::Thread& t = *cpc::block.current;
     std::vector<cpc::Thread::Copy> left;
     for (const auto& c : t.copies) {
         if (c.group && c.group <= t.committed - N) {
+            for (int i = 0; i < c.size; ++i)
+                if (c.dst[i] != 0xff) cpc::fail("cp.async: its destination was written while the copy was in flight");
             if (c.bytes) std::memcpy(c.dst, c.src, c.bytes);
             std::memset(c.dst + c.bytes, 0, c.size - c.bytes);
         } else {
