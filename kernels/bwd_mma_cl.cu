@@ -507,10 +507,9 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
         // The item's sums, part U: C_f's element r has the lag 128 f + place(r). (The dx warps
         // hold none.)
         if (dxw) continue;
-        if constexpr (DXW) {  // (lane 0 holds channels 4-7's reduced sums, the others zeros)
+        if constexpr (DXW) {  // (channels 4-7's sums come reduced)
             const float4 handed = *reinterpret_cast<const float4*>(dslot(0, warp));
-            db[4] = lane == 0 ? handed.x : 0.f, db[5] = lane == 0 ? handed.y : 0.f;
-            db[6] = lane == 0 ? handed.z : 0.f, db[7] = lane == 0 ? handed.w : 0.f;
+            db[4] = handed.x, db[5] = handed.y, db[6] = handed.z, db[7] = handed.w;
             sums += *reinterpret_cast<const float*>(dslot(1, warp));
         }
         if (__any_sync(0xffffffffu, !isfinite(sums))) {
@@ -522,8 +521,9 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
         } else {
             #pragma unroll
             for (int cl = 0; cl < 8; ++cl) {
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) db[cl] += __shfl_xor_sync(0xffffffffu, db[cl], o);
+                if (!DXW || cl < 4)
+                    #pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) db[cl] += __shfl_xor_sync(0xffffffffu, db[cl], o);
                 if (cw + cl >= dim) continue;
                 #pragma unroll
                 for (int f = 0; f < LF; ++f)
