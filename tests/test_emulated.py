@@ -91,7 +91,7 @@ def assert_matches(got, want, dtype, poisoned=False, rtol=None, atol=None, name=
 
 def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
     """One forward call under the emulator against the reference; returns the kernels run.
-    Feature "non_finite": inf and NaN in x (``poison``)."""
+    Feature "non_finite": inf and NaN in x (``poison``); "no_act": no activation (else SiLU)."""
     rng = np.random.default_rng(width + len(layout) + 7 * len(features))
     wdtype = wdtype or dtype
     b, c, length = shape
@@ -101,16 +101,16 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
     s = seq_ids(rng, b, length, 3, True) if "seq_idx" in features else None
-    init = "states" in features
+    init, act = "states" in features, None if "no_act" in features else "silu"
     with emulated_gpu(arch) as run:
         x = placed(x64, dtype, layout)
         w, bias = host(w64, NP_DTYPES[wdtype]), host(b64, NP_DTYPES[wdtype])
         i64, i = states(rng, b, c, width, dtype, layout) if init else (None, None)
         si = host(s, np.int32) if s is not None else None
         got = cupyconv.causal_conv1d_fn(
-            x, w, bias, si, i, return_final_states=init, activation="silu"
+            x, w, bias, si, i, return_final_states=init, activation=act
         )  # fmt: skip
-    want = reference.causal_conv1d_fn(x64, w64, b64, s, i64, init, "silu")
+    want = reference.causal_conv1d_fn(x64, w64, b64, s, i64, init, act)
     if init:
         (out, final), (want, want_final) = got, want
         assert_matches(final.data, want_final, dtype, name="final_states")
@@ -124,7 +124,8 @@ def forward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, featu
 def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, features=(), arch=900):
     """One backward call under the emulator against the reference; returns the kernels run.
     Feature "non_finite": inf and NaN in x and dout (``poison``); "dout_cf": dout laid out
-    channel-first whatever x's layout (so that bwd_channel reads it element by element)."""
+    channel-first whatever x's layout (so that bwd_channel reads it element by element);
+    "no_act": no activation (else SiLU)."""
     rng = np.random.default_rng(width + 3 * len(layout) + 11 * len(features))
     wdtype = wdtype or dtype
     b, c, length = shape
@@ -134,7 +135,7 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
     w64 = rounded(rng, (c, width), wdtype, width**-0.5)
     b64 = rounded(rng, (c,), wdtype)
     s = seq_ids(rng, b, length, 3, True) if "seq_idx" in features else None
-    init = "states" in features
+    init, act = "states" in features, None if "no_act" in features else "silu"
     with emulated_gpu(arch) as run:
         x = placed(x64, dtype, layout)
         dout = placed(g64, dtype, "cf" if "dout_cf" in features else layout)
@@ -143,9 +144,9 @@ def backward_case(shape, width, layout="cf", dtype="bfloat16", wdtype=None, feat
         f64, f = states(rng, b, c, width, dtype, layout) if init else (None, None)
         si = host(s, np.int32) if s is not None else None
         dx, dw, db, di = cupyconv.causal_conv1d_bwd(
-            x, w, bias, dout, si, i, f, return_dinitial_states=init, activation="silu"
+            x, w, bias, dout, si, i, f, return_dinitial_states=init, activation=act
         )  # fmt: skip
-    rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, "silu")
+    rdx, rdw, rdb, rdi = reference.causal_conv1d_bwd(x64, w64, b64, g64, s, i64, f64, act)
     poisoned = "non_finite" in features
     assert_matches(dx.data, rdx, dtype, poisoned, name="dx")
     # dweight and dbias: rounded once to weight's dtype; the atol scaled by the terms summed
@@ -227,6 +228,7 @@ FORWARD = {
     (SHAPE, 64, "cl", "bfloat16", None, (), 900): "fwd_mma_cl",
     (SHAPE, 33, "cl", "float16", None, ("non_finite",), 900): "fwd_mma_cl",
     (SHAPE, 97, "cl", "bfloat16", None, ("states",), 900): "fwd_mma_cl",
+    (SHAPE, 16, "cl", "bfloat16", None, ("no_act",), 900): "fwd_mma_cl",
     (SHAPE, 100, "cl", "bfloat16", None, (), 900): "fwd_mma",
     (SHAPE, 100, "cf", "float16", "float32", (), 900): "fwd_mma",
     (SHAPE, 256, "cf", "bfloat16", None, ("states",), 900): "fwd_mma",
@@ -258,6 +260,9 @@ BACKWARD = {
     (SHAPE, 66, "cl_slice", "bfloat16", None, ("states",), 900): "bwd_mma_cl",
     (SHAPE, 66, "cl", "bfloat16", None, (), 800): "bwd_mma_cl",
     (SHAPE, 200, "cl", "bfloat16", None, (), 900): "bwd_mma_cl",
+    (SHAPE, 100, "cl", "bfloat16", None, ("no_act",), 900): "bwd_mma_cl",
+    (SHAPE, 130, "cl", "bfloat16", None, ("no_act",), 900): "bwd_mma_cl",
+    (LONG, 16, "cf", "bfloat16", None, ("no_act",), 900): "bwd_mma_time",
     (SHAPE, 64, "cl", "float32", None, ("states",), 900): "bwd_wide",
     (SHAPE, 20, "cf", "float16", "float32", ("seq_idx", "states"), 900): "bwd_dz",
 }
