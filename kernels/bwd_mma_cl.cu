@@ -365,7 +365,11 @@ __global__ void __launch_bounds__(bwd_cl_threads(KS), bwd_cl_blocks(KS))
                     for (int r = 0; r < 4; ++r) {
                         const unsigned word = h < 4 ? (h < 2 ? dv[r].x : dv[r].y) : (h < 6 ? dv[r].z : dv[r].w);
                         const float d = h & 1 ? high_half(word) : low_half(word);
-                        dz[r] = p.silu_act ? d * silu_grad(acc[r]) : d;
+                        // silu' of every element, then the activation chosen: no branch between
+                        // the elements, whose MUFU chains then interleave
+                        const float grad = silu_grad(acc[r]);
+                        computed_here(grad);
+                        dz[r] = p.silu_act ? d * grad : d;
                         sums += acc[r] + dz[r];
                         db[h] += t0 + place(r) < len ? dz[r] : 0.f;
                     }

@@ -114,6 +114,9 @@ __device__ __forceinline__ unsigned bf16x2_bits(float a, float b) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
     return r;
 }
+// a computed where the call stands (an empty statement that reads it): the compiler may not move
+// a's computation into a branch that alone uses it.
+__device__ __forceinline__ void computed_here(float a) { asm volatile("" ::"f"(a)); }
 
 // ---- tensor cores (16-bit operands, float32 accumulators) -----------------------------------
 
