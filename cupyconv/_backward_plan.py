@@ -112,12 +112,17 @@ MMA_TIME_MAX_STEPS = 3
 MMA_TIME_CHUNK, MMA_TIME_LONG_CHUNK = (2, 4), (4, 2)
 MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 65)
 # bwd_mma_cl (bfloat16 x and weights, channel-contiguous x, dout and dx in 16-byte aligned runs of
-# 8 channels, no seq_idx) from MMA_CL_FROM on, where bwd_mma's channel-last form stops (not yet
-# measured against it below). Pieces of rows of MMA_CL_LONGEST positions or half, a quarter ..
-# down to MMA_CL_SHORTEST: the longest whose estimated time is within MMA_CL_SLACK of the least (a
-# wave of items counted at least MMA_CL_FILL as long as a full one; each piece's steps reach D or
-# 127 positions past it).
+# 8 channels, no seq_idx) from MMA_CL_FROM on, where bwd_mma's channel-last form stops, and from
+# MMA_CL_LONG_FROM (KS 5) where its pieces are MMA_CL_LONG_SPAN positions or more: a piece's
+# steps reach 127 positions past it, which rows of 512 pay for in 6 steps for 4 steps' outputs
+# (H100, TB/s at width 64 against bwd_mma's: (8, 5120, 2048) 0.82 / 0.74, (1, 4096, 16384) 0.88
+# / 0.76, rows of 1024 level, of 512 0.61 / 0.73; KS 4 slower on every shape: benchmarks/NOTES.md,
+# "bwd_mma_cl at KS 5 on long pieces"). Pieces of rows of MMA_CL_LONGEST positions or half, a
+# quarter .. down to MMA_CL_SHORTEST: the longest whose estimated time is within MMA_CL_SLACK of
+# the least (a wave of items counted at least MMA_CL_FILL as long as a full one; each piece's
+# steps reach D or 127 positions past it).
 MMA_CL_FROM = 66
+MMA_CL_LONG_FROM, MMA_CL_LONG_SPAN = 50, 2048
 MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_FILL, MMA_CL_SLACK = 4096, 512, 0.8, 1.05
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
 # 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
@@ -383,12 +388,12 @@ def _cl_steps(width: int) -> int:
 
 
 def takes_cl_tensor(x: Array, dout: Array, dx: Array, weight_dtype: str, width: int, has_seq):
-    """Whether bwd_mma_cl may serve the call (if a block fits the device): bfloat16 x and
-    weights, no seq_idx, width MMA_CL_FROM or more, and x, dout and dx channel-contiguous in
-    16-byte aligned runs of 8 channels."""
+    """Whether bwd_mma_cl may serve the call (if a block fits the device; below MMA_CL_FROM, if
+    its pieces are long enough): bfloat16 x and weights, no seq_idx, width MMA_CL_LONG_FROM or
+    more, and x, dout and dx channel-contiguous in 16-byte aligned runs of 8 channels."""
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
-        and width >= MMA_CL_FROM
+        and width >= min(MMA_CL_FROM, MMA_CL_LONG_FROM)
         and x.shape[1] % 8 == 0 and all(rows_aligned(a, 1) for a in (x, dout, dx))
     )  # fmt: skip
 
@@ -419,7 +424,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                         found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w, chunk))
             if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
                 found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
-            if d == "bfloat16" and w >= MMA_CL_FROM:
+            if d == "bfloat16" and w >= min(MMA_CL_FROM, MMA_CL_LONG_FROM):
                 found.setdefault(MMA_CL.source, set()).add(_cl_name(w))
     return {source: sorted(names) for source, names in found.items()}
 
@@ -462,12 +467,12 @@ def _plan_backward(x, dout, dx, width, has_seq, states, weight_dtype, device) ->
         if mma_steps(width) >= MMA_BLOCK_STEPS:
             return _plan_mma_block(x, dout, dx, width, states, device)
         return _plan_mma(x, dout, dx, width, states, device)
-    if takes_mma_cl(x, dout, dx, weight_dtype, width, has_seq):
-        plan = _plan_mma_cl(x, width, states, device)
-        if plan is not None:
-            return plan
     if takes_cl_tensor(x, dout, dx, weight_dtype, width, has_seq):
         plan = _plan_cl_tensor(x, width, states, device)
+        if plan is not None:
+            return plan
+    if takes_mma_cl(x, dout, dx, weight_dtype, width, has_seq):
+        plan = _plan_mma_cl(x, width, states, device)
         if plan is not None:
             return plan
     if _time_rows(x) and width <= TIME_MAX_WIDTH:
@@ -758,7 +763,7 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     """A persistent grid of BWD_CL_WARPS-warp blocks (twice as many warps from BWD_CL_DX_FROM
     k-steps: dx's own), each taking items (32 channels of a piece of ``span`` positions of a
     batch row, channel group fastest) in turn; one part a piece (None where a block does not fit
-    the device)."""
+    the device, or below MMA_CL_FROM where the pieces are shorter than MMA_CL_LONG_SPAN)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_cl_steps(width) - 1)
     taps_at, smem = _cl_shared_memory(width)
@@ -778,6 +783,8 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
     least = min(map(time, spans))
     span = max(s for s in spans if time(s) <= MMA_CL_SLACK * least)
+    if width < MMA_CL_FROM and span < MMA_CL_LONG_SPAN:
+        return None
     pieces = -(-seqlen // span)
     launch = MMA_CL.launch(
         name, min(items(span), resident, MAX_GRID), (threads, 1), smem, span=span,

@@ -557,10 +557,11 @@ def test_channel_last_tensor_core_plan_fits_the_device(monkeypatch, limit):
 def test_channel_last_tensor_core_runs(monkeypatch, shape, width, grid, whole, per):
     """bwd_mma's channel-contiguous blocks take whole channel groups while they fill every
     block (up to MMA_CL_WHOLE_STEPS k-steps), then the rest in runs of ``per`` items, at most
-    one a block."""
+    one a block (bwd_mma_cl's long pieces off: it would take width 64 on rows of 2048)."""
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
+    monkeypatch.setattr(_backward_plan, "MMA_CL_LONG_FROM", 1000)
     batch, dim, seqlen = shape
     x = bf16_rows(batch, dim, seqlen, strides=(dim * seqlen, 1, dim))
     main = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0).launches[0]
@@ -593,6 +594,36 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
         assert main(cl(), dout=dout, width=width).startswith("bwd_wide")
         assert main(cl(), seq=True, width=width).startswith("bwd_dz")
         assert main(cl(), weight="float32", width=width).startswith("bwd_wide")
+
+
+@pytest.mark.parametrize(
+    "shape,width,kernel",
+    [
+        ((8, 5120, 2048), 49, "bwd_mma<__nv_bfloat16, 4, 1>"),  # KS 4: bwd_mma
+        ((8, 5120, 2048), 50, "bwd_mma_cl<__nv_bfloat16, 5>"),  # KS 5, pieces of 2048
+        ((8, 5120, 2048), 65, "bwd_mma_cl<__nv_bfloat16, 5>"),
+        ((1, 4096, 16384), 64, "bwd_mma_cl<__nv_bfloat16, 5>"),  # pieces of 4096
+        ((4, 4096, 2000), 64, "bwd_mma_cl<__nv_bfloat16, 5>"),  # one piece of 2048 a row
+        ((16, 2048, 1024), 64, "bwd_mma<__nv_bfloat16, 5, 1>"),  # rows of 1024
+        ((1, 64, 16384), 64, "bwd_mma<__nv_bfloat16, 5, 1>"),  # two groups: pieces of 512
+        ((8, 5120, 2048), 66, "bwd_mma_cl<__nv_bfloat16, 6>"),
+        ((64, 1024, 512), 66, "bwd_mma_cl<__nv_bfloat16, 6>"),  # from MMA_CL_FROM: any pieces
+    ],
+)
+def test_channel_last_kernel_at_ks_5_by_piece_length(monkeypatch, shape, width, kernel):
+    """bwd_mma_cl from MMA_CL_LONG_FROM (KS 5) where its pieces are MMA_CL_LONG_SPAN positions
+    or more, bwd_mma's channel-last form where they are shorter; bwd_mma_cl from MMA_CL_FROM
+    whatever its pieces."""
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 264)
+    batch, dim, seqlen = shape
+    x = bf16_rows(batch, dim, seqlen, strides=(dim * seqlen, 1, dim))
+    main = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0).launches[0]
+    assert main.name == kernel
+    if kernel.startswith("bwd_mma_cl") and width < _backward_plan.MMA_CL_FROM:
+        f = dict(zip(_backward_plan.MMA_CL.plan_fields, main.plan_fields, strict=True))
+        assert f["span"] >= _backward_plan.MMA_CL_LONG_SPAN
 
 
 @pytest.mark.parametrize("limit", (232448, 166912, 101376), ids=("sm90", "sm80", "sm86"))

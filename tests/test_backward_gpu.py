@@ -242,7 +242,7 @@ def tensor_cores(monkeypatch):
     widths too)."""
     yield from forced_route(
         monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2,
-        MMA_TIME_MAX_STEPS=0,
+        MMA_TIME_MAX_STEPS=0, MMA_CL_LONG_FROM=1000,
     )  # fmt: skip
 
 
@@ -471,6 +471,24 @@ def test_cl_kernel_row_lengths(cl_cores, seqlen, width):
     run_bwd(2, 16, seqlen, width, "bfloat16", layout="cl", init=True, dfinal=True, seed=seqlen)
 
 
+@pytest.mark.parametrize("width", (50, 64, 65))
+def test_cl_kernel_long_pieces_at_ks_5(monkeypatch, width):
+    """The plan's own route at KS 5: bwd_mma_cl where its pieces are MMA_CL_LONG_SPAN positions
+    or more (two resident blocks: three pieces of 2048 a row, the last cut by the row's end)."""
+    from cupyconv import _backward_plan, _fast
+
+    resident = _backward_plan.resident_blocks  # (which also opts the kernel into its shared memory)
+    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: min(2, resident(*args)))
+    monkeypatch.setattr(_backward_plan, "_plans", {})
+    monkeypatch.setattr(_fast, "_calls", {})
+    run_bwd(2, 40, 6000, width, "bfloat16", layout="cl", init=True, dfinal=True, seed=width)
+    (plan,) = _backward_plan._plans.values()
+    main = plan.launches[0]
+    f = dict(zip(_backward_plan.MMA_CL.plan_fields, main.plan_fields, strict=True))
+    assert main.name == "bwd_mma_cl<__nv_bfloat16, 5>", main.name
+    assert (f["span"], f["pieces"]) == (2048, 3), f
+
+
 @pytest.mark.parametrize("width,seqlen", [(17, 500), (64, 250), (256, 500)])
 def test_cl_kernel_single_part(cl_cores, width, seqlen):
     """One row of one piece: dweight and dbias written by bwd_mma_cl itself."""
@@ -597,7 +615,7 @@ def wide_path(monkeypatch):
     """bwd_wide for every call without seq_idx, whatever the faster kernels would take."""
     yield from forced_route(
         monkeypatch, "bwd_wide", TIME_MAX_WIDTH=0, CHANNEL_MAX_WIDTH=0, MMA_MIN_WIDTH=1000,
-        MMA_CL_MIN_WIDTH=1000, MMA_CL_FROM=1000,
+        MMA_CL_MIN_WIDTH=1000, MMA_CL_FROM=1000, MMA_CL_LONG_FROM=1000,
     )  # fmt: skip
 
 
