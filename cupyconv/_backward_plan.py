@@ -766,10 +766,12 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     the device, or below MMA_CL_FROM where the pieces are shorter than MMA_CL_LONG_SPAN)."""
     batch, dim, seqlen = x.shape
     d = 16 * (_cl_steps(width) - 1)
-    taps_at, smem = _cl_shared_memory(width)
-    if smem > shared_memory_limit(device):
-        return None
     warps, step = CONSTANTS["BWD_CL_WARPS"], CONSTANTS["BWD_CL_STEP"]
+    spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
+    short = width < MMA_CL_FROM  # (taken on long pieces only)
+    taps_at, smem = _cl_shared_memory(width)
+    if smem > shared_memory_limit(device) or (short and spans[0] < MMA_CL_LONG_SPAN):
+        return None
     name, groups = _cl_name(width), -(-dim // (8 * warps))
     threads = cl_threads(_cl_steps(width))
     resident = resident_blocks(device, MMA_CL.source, name, threads, smem)
@@ -780,10 +782,9 @@ def _plan_cl_tensor(x, width, states, device) -> BackwardPlan | None:
     def time(span):  # a persistent grid's waves of items, each its steps long
         return (span + max(d, step - 1)) * waves(items(span), resident, MMA_CL_FILL)
 
-    spans = piece_spans(seqlen, step, MMA_CL_LONGEST, MMA_CL_SHORTEST)
     least = min(map(time, spans))
     span = max(s for s in spans if time(s) <= MMA_CL_SLACK * least)
-    if width < MMA_CL_FROM and span < MMA_CL_LONG_SPAN:
+    if short and span < MMA_CL_LONG_SPAN:
         return None
     pieces = -(-seqlen // span)
     launch = MMA_CL.launch(

@@ -606,6 +606,7 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
         ((4, 4096, 2000), 64, "bwd_mma_cl<__nv_bfloat16, 5>"),  # one piece of 2048 a row
         ((16, 2048, 1024), 64, "bwd_mma<__nv_bfloat16, 5, 1>"),  # rows of 1024
         ((1, 64, 16384), 64, "bwd_mma<__nv_bfloat16, 5, 1>"),  # two groups: pieces of 512
+        ((64, 1024, 512), 64, "bwd_mma<__nv_bfloat16, 5, 1>"),  # (bwd_mma_cl not compiled)
         ((8, 5120, 2048), 66, "bwd_mma_cl<__nv_bfloat16, 6>"),
         ((64, 1024, 512), 66, "bwd_mma_cl<__nv_bfloat16, 6>"),  # from MMA_CL_FROM: any pieces
     ],
@@ -613,14 +614,19 @@ def test_channel_last_tensor_core_plan_needs_aligned_runs_of_8_channels(monkeypa
 def test_channel_last_kernel_at_ks_5_by_piece_length(monkeypatch, shape, width, kernel):
     """bwd_mma_cl from MMA_CL_LONG_FROM (KS 5) where its pieces are MMA_CL_LONG_SPAN positions
     or more, bwd_mma's channel-last form where they are shorter; bwd_mma_cl from MMA_CL_FROM
-    whatever its pieces."""
+    whatever its pieces. Rows too short for such pieces do not compile it (the occupancy query)."""
+    asked = []
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
-    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 264)
+    monkeypatch.setattr(
+        _backward_plan, "resident_blocks", lambda d, s, name, t, smem: asked.append(name) or 264
+    )
     batch, dim, seqlen = shape
     x = bf16_rows(batch, dim, seqlen, strides=(dim * seqlen, 1, dim))
     main = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0).launches[0]
     assert main.name == kernel
+    if seqlen <= _backward_plan.MMA_CL_LONG_SPAN // 2 and width < _backward_plan.MMA_CL_FROM:
+        assert not any(name.startswith("bwd_mma_cl") for name in asked), asked
     if kernel.startswith("bwd_mma_cl") and width < _backward_plan.MMA_CL_FROM:
         f = dict(zip(_backward_plan.MMA_CL.plan_fields, main.plan_fields, strict=True))
         assert f["span"] >= _backward_plan.MMA_CL_LONG_SPAN
