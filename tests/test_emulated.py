@@ -343,11 +343,9 @@ def test_backward(case):
 
 
 @pytest.mark.parametrize("features", ((), ("states",)))
-def test_backward_long_pieces_at_ks_5(monkeypatch, features):
-    """The plan's own route at KS 5 on rows of 6000 (two resident blocks): bwd_mma_cl in pieces
-    of 2048, the last cut by the row's end."""
-    resident = _backward_plan.resident_blocks
-    monkeypatch.setattr(_backward_plan, "resident_blocks", lambda *args: min(2, resident(*args)))
+def test_backward_long_pieces_at_ks_5(features):
+    """The plan's own route at KS 5 on rows of 6000 (the emulated device's two resident blocks):
+    bwd_mma_cl in pieces of 2048, the last cut by the row's end."""
     ran = backward_case((2, 40, 6000), 64, "cl", features=features)
     assert "bwd_mma_cl<__nv_bfloat16, 5>" in ran, ran
 
