@@ -122,7 +122,7 @@ MMA_CL_STEPS = 5  # bwd_mma on channel-contiguous x: most k-steps (widths up to 
 # the least (a wave of items counted at least MMA_CL_FILL as long as a full one; each piece's
 # steps reach D or 127 positions past it).
 MMA_CL_FROM = 66
-MMA_CL_LONG_FROM, MMA_CL_LONG_SPAN = 50, 2048
+MMA_CL_LONG_FROM, MMA_CL_LONG_SPAN = 50, 2048  # (MMA_CL_LONG_FROM <= MMA_CL_FROM)
 MMA_CL_LONGEST, MMA_CL_SHORTEST, MMA_CL_FILL, MMA_CL_SLACK = 4096, 512, 0.8, 1.05
 # bwd_mma on channel-contiguous x: whole channel groups a block up to this many k-steps (widths
 # 16 / 31 / 48: 10-15 / 6 / 2-5 % faster than runs of the items; width 64: level or 1.5 %
@@ -393,7 +393,7 @@ def takes_cl_tensor(x: Array, dout: Array, dx: Array, weight_dtype: str, width: 
     more, and x, dout and dx channel-contiguous in 16-byte aligned runs of 8 channels."""
     return (
         x.dtype_name == "bfloat16" and weight_dtype == "bfloat16" and not has_seq
-        and width >= min(MMA_CL_FROM, MMA_CL_LONG_FROM)
+        and width >= MMA_CL_LONG_FROM
         and x.shape[1] % 8 == 0 and all(rows_aligned(a, 1) for a in (x, dout, dx))
     )  # fmt: skip
 
@@ -424,7 +424,7 @@ def all_backward_instances(dtypes=tuple(C_TYPES), widths=range(1, 257)) -> dict:
                         found.setdefault(MMA_TIME.source, set()).add(_mma_time_name(w, chunk))
             if d == "bfloat16" and w >= MMA_CL_MIN_WIDTH and mma_steps(w) <= MMA_CL_STEPS:
                 found.setdefault(MMA.source, set()).add(_mma_name(w, channel_last=True))
-            if d == "bfloat16" and w >= min(MMA_CL_FROM, MMA_CL_LONG_FROM):
+            if d == "bfloat16" and w >= MMA_CL_LONG_FROM:
                 found.setdefault(MMA_CL.source, set()).add(_cl_name(w))
     return {source: sorted(names) for source, names in found.items()}
 

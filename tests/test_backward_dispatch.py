@@ -561,7 +561,7 @@ def test_channel_last_tensor_core_runs(monkeypatch, shape, width, grid, whole, p
     monkeypatch.setattr(_backward_plan, "_plans", {})
     monkeypatch.setattr(_backward_plan, "shared_memory_limit", lambda device: 232448)
     monkeypatch.setattr(_backward_plan, "resident_blocks", lambda d, s, name, t, smem: 132)
-    monkeypatch.setattr(_backward_plan, "MMA_CL_LONG_FROM", 1000)
+    monkeypatch.setattr(_backward_plan, "MMA_CL_LONG_FROM", _backward_plan.MMA_CL_FROM)
     batch, dim, seqlen = shape
     x = bf16_rows(batch, dim, seqlen, strides=(dim * seqlen, 1, dim))
     main = _backward_plan.plan_backward(x, x, x, width, False, False, "bfloat16", 0).launches[0]

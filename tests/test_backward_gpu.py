@@ -239,10 +239,12 @@ def forced_route(monkeypatch, kernel: str, **limits):
 @pytest.fixture
 def tensor_cores(monkeypatch):
     """bwd_mma for every width it takes, whatever the dispatch threshold (bwd_mma_time's
-    widths too)."""
+    widths too; bwd_mma_cl from MMA_CL_FROM only)."""
+    from cupyconv._backward_plan import MMA_CL_FROM
+
     yield from forced_route(
         monkeypatch, "bwd_mma", MMA_MIN_WIDTH=2, MMA_SHORT_MIN_WIDTH=2, MMA_CL_MIN_WIDTH=2,
-        MMA_TIME_MAX_STEPS=0, MMA_CL_LONG_FROM=1000,
+        MMA_TIME_MAX_STEPS=0, MMA_CL_LONG_FROM=MMA_CL_FROM,
     )  # fmt: skip
 
 
@@ -443,7 +445,9 @@ def check_non_finite(shape, dtype, layout, width, silu, segments=0):
 @pytest.fixture
 def cl_cores(monkeypatch):
     """bwd_mma_cl for every channel-contiguous width from 2 (bwd_mma's channel-last form off)."""
-    yield from forced_route(monkeypatch, "bwd_mma_cl", MMA_CL_FROM=2, MMA_CL_MIN_WIDTH=1000)
+    yield from forced_route(
+        monkeypatch, "bwd_mma_cl", MMA_CL_FROM=2, MMA_CL_LONG_FROM=2, MMA_CL_MIN_WIDTH=1000
+    )
 
 
 CL_KERNEL_WIDTHS = (2, 4, 5, 16, 17, 18, 31, 33, 34, 64, 65, 66, 100, 113, 128, 129, 130, 200, 256)
